@@ -1,0 +1,22 @@
+"""commlab: collective-communication research toolkit for PyTorch.
+
+    import commlab
+    commlab.all_reduce(t, algorithm="ring")      # same contract as dist.all_reduce
+    commlab.algorithm_names()                    # what the registry holds
+"""
+import torch  # noqa: F401  (loads libtorch before commlab._C)
+
+from .api import algorithm_names, all_reduce, get_algorithm
+from .errors import CommlabError, PeerError, UnsupportedError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "all_reduce",
+    "algorithm_names",
+    "get_algorithm",
+    "CommlabError",
+    "UnsupportedError",
+    "PeerError",
+    "__version__",
+]

@@ -1,0 +1,75 @@
+"""The one shape every all-reduce algorithm has.
+
+An algorithm holds its own facts (cost model, what it supports) and one `run` that
+reduces a flat contiguous buffer in place. Validation, AVG, non-contiguous inputs,
+async execution, timing and reporting live once, outside the algorithms.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..groups import GroupInfo
+from ..p2p import P2P
+from ..reduction import Op
+
+
+@dataclass(frozen=True)
+class Cost:
+    """α-β-γ terms of one all-reduce of n bytes on p ranks, on the critical path:
+    time ≈ steps·α + bytes_sent·β + bytes_reduced·γ."""
+
+    steps: float
+    bytes_sent: float  # per rank, the busiest rank
+    bytes_reduced: float  # bytes of input folded by the busiest rank
+
+    def time(self, alpha: float, beta: float, gamma: float = 0.0) -> float:
+        return self.steps * alpha + self.bytes_sent * beta + self.bytes_reduced * gamma
+
+
+@dataclass
+class Context:
+    """What `run` gets besides the buffer: the group and a transport bound to it."""
+
+    info: GroupInfo
+    p2p: P2P
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def size(self) -> int:
+        return self.info.size
+
+
+class Algorithm:
+    name: str = ""
+    summary: str = ""
+    formula: str = ""  # the α-β-γ cost, human-readable (README, CLI)
+    wins_when: str = ""
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    order: int = 100  # position in algorithm_names()
+
+    def cost(self, p: int, nbytes: float) -> Cost:
+        raise NotImplementedError
+
+    @staticmethod
+    def busbw_factor(p: int) -> float:
+        """nccl-tests' all-reduce bus-bandwidth factor 2(p-1)/p: busbw = algbw·factor
+        is comparable with link bandwidth whatever the algorithm."""
+        return 2.0 * (p - 1) / p if p > 1 else 0.0
+
+    def unsupported(self, tensor: torch.Tensor, op: Op, info: GroupInfo) -> str | None:
+        """Why this algorithm cannot serve the call, from facts every rank shares;
+        None when it can. The API has already checked dtype, op and device type."""
+        return None
+
+    def run(self, buf: torch.Tensor, op: Op, ctx: Context) -> None:
+        """Reduce the flat contiguous `buf` in place across the group (op is never AVG;
+        buf.numel() > 0 and ctx.size > 1). Every rank must end bitwise identical."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<commlab algorithm {self.name!r}: {self.summary}>"

@@ -1,0 +1,31 @@
+"""The backend's own all-reduce (gloo on CPU, NCCL on GPU): the baseline."""
+from ..errors import PeerError
+from ..reduction import TO_TORCH
+from .base import Algorithm, Cost
+
+import torch.distributed as dist
+
+
+class Builtin(Algorithm):
+    name = "builtin"
+    summary = "torch.distributed.all_reduce of the group's backend (gloo ring on CPU, NCCL ring/tree on GPU)"
+    formula = "backend-defined; modelled as ring: 2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ"
+    wins_when = "the reference: NCCL on GPUs; gloo's fixed cost makes it slow for small CPU messages"
+    order = 0
+
+    def cost(self, p, nbytes):
+        return Cost(2 * (p - 1), 2 * (p - 1) / p * nbytes, (p - 1) / p * nbytes)
+
+    def run(self, buf, op, ctx):
+        try:
+            work = dist.all_reduce(buf, op=TO_TORCH[op], group=ctx.info.group, async_op=True)
+            work.wait(ctx.info.timeout)
+        except RuntimeError as e:
+            raise PeerError(
+                f"commlab[builtin] rank {ctx.info.global_rank(ctx.rank)}: backend all_reduce failed: {e}",
+                algorithm=self.name,
+                peer=None,
+            ) from e
+
+
+ALGORITHM = Builtin()

@@ -1,0 +1,24 @@
+// Fused N-way element-wise reduction: out = in[0] (op) in[1] (op) ... (op) in[n-1],
+// applied in that fixed order so that every rank computing the same reduction gets
+// the same bits. Each input is read exactly once; half types accumulate in float32
+// and are rounded once at the end.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace commlab {
+
+// Same numbering as commlab/reduction.py (OP_CODES); AVG is handled in Python as
+// SUM followed by a division, so it never reaches the kernels.
+enum class RedOp : int64_t { kSum = 0, kProduct = 1, kMin = 2, kMax = 3 };
+
+void reduce_n_cpu(const torch::Tensor& out, const std::vector<torch::Tensor>& inputs, RedOp op);
+
+// Raw-pointer variant for callers that reduce out of shared memory without
+// wrapping every slice in a tensor.
+void reduce_n_raw(void* out, const void* const* inputs, int64_t n_inputs, int64_t numel,
+                  c10::ScalarType dtype, RedOp op);
+
+}  // namespace commlab

@@ -1,0 +1,84 @@
+"""Deterministic inputs and float64 references for all-reduce correctness checks.
+
+Every rank can build every rank's input from (seed, rank), so each rank checks its
+own result against an exact reference without extra communication.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
+
+EPS = {
+    torch.float32: 2.0**-24,
+    torch.float64: 2.0**-53,
+    torch.float16: 2.0**-11,
+    torch.bfloat16: 2.0**-8,
+}
+
+
+def make_input(seed: int, rank: int, numel: int, dtype: torch.dtype, op: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    if dtype.is_floating_point:
+        if op == "PRODUCT":
+            x = torch.rand(numel, generator=g, dtype=torch.float64) + 0.5
+        else:
+            x = torch.randn(numel, generator=g, dtype=torch.float64) * 4
+        return x.to(dtype)
+    lo, hi = (1, 4) if op == "PRODUCT" else ((0, 30) if dtype == torch.uint8 else (-50, 50))
+    return torch.randint(lo, hi, (numel,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def reference(inputs: list[torch.Tensor], op: str, dtype: torch.dtype):
+    """(expected, tolerance): tolerance is None for exact comparison."""
+    p = len(inputs)
+    wide = torch.stack([x.to(torch.float64 if dtype.is_floating_point else torch.int64) for x in inputs])
+    if op in ("MIN", "MAX"):
+        red = wide.amin(0) if op == "MIN" else wide.amax(0)
+        return red.to(dtype), None
+    if not dtype.is_floating_point:
+        if op == "PRODUCT":
+            red = wide.prod(0)
+        else:
+            red = wide.sum(0)
+        # Integer arithmetic wraps in the dtype, so compare after the same wrap.
+        red = red.to(dtype)
+        if op == "AVG":
+            red = torch.div(red.to(torch.int64), p, rounding_mode="trunc").to(dtype)
+        return red, None
+    eps = EPS[dtype]
+    if op == "PRODUCT":
+        red = wide.prod(0)
+        tol = (p + 2) * eps * red.abs() * 1.5
+    else:
+        red = wide.sum(0)
+        # Any summation order: |error| <= (p-1)·eps·Σ|x| plus the final rounding(s).
+        tol = (p + 2) * eps * wide.abs().sum(0)
+        if op == "AVG":
+            red, tol = red / p, tol / p + eps * (red / p).abs()
+    return red, tol + 1e-300
+
+
+def check(result: torch.Tensor, expected: torch.Tensor, tol) -> str | None:
+    if result.dtype != expected.dtype and tol is None:
+        return f"dtype {result.dtype} != {expected.dtype}"
+    if tol is None:
+        if torch.equal(result, expected):
+            return None
+        bad = (result != expected).nonzero()
+        i = int(bad[0])
+        return f"{len(bad)} wrong; first at {i}: got {result[i].item()} want {expected[i].item()}"
+    err = (result.to(torch.float64) - expected).abs()
+    bad = (err > tol) | torch.isnan(err)
+    if not bool(bad.any()):
+        return None
+    i = int(bad.nonzero()[0])
+    return f"{int(bad.sum())} out of tolerance; first at {i}: got {result[i].item()} want {expected[i].item()} (tol {tol[i].item():.3g})"
+
+
+def digest(t: torch.Tensor) -> str:
+    t = t.detach().contiguous().cpu()
+    return hashlib.sha1(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()

@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from ranks import RankPool
+
+# Small segments so moderate test sizes exercise the ring's pipelining.
+RANK_ENV = {"COMMLAB_RING_SEGMENT_BYTES": "4096"}
+
+
+class Pools:
+    def __init__(self):
+        self._pools: dict[int, RankPool] = {}
+
+    def get(self, world_size: int) -> RankPool:
+        pool = self._pools.get(world_size)
+        if pool is None or pool.broken:
+            pool = RankPool(world_size, env=RANK_ENV)
+            self._pools[world_size] = pool
+        return pool
+
+    def run(self, world_size: int, fn, *args, timeout: float = 120.0, **kwargs):
+        return self.get(world_size).run(fn, *args, timeout=timeout, **kwargs)
+
+    def close(self):
+        for p in self._pools.values():
+            p.close()
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    pools = Pools()
+    yield pools
+    pools.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

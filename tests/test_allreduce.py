@@ -1,0 +1,201 @@
+"""Correctness of every registered algorithm against float64 references, on 1-8 ranks."""
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commlab
+from cases import DTYPES, OPS, check, digest, make_input, reference
+
+ALGORITHMS = [a for a in commlab.algorithm_names() if "cpu" in commlab.get_algorithm(a).devices]
+
+
+def sizes_for(p: int) -> list[int]:
+    small = [0, 1, max(p - 1, 1), 7 * p + 3]
+    return small if p >= 8 else small + [1000, 4099]
+
+
+def sweep(rank, p, algorithm):
+    """Every dtype x op x size on this rank; returns (failures, digests)."""
+    failures, digests = [], {}
+    for dtype in DTYPES:
+        for op in OPS:
+            for n in sizes_for(p):
+                seed = zlib.crc32(f"{dtype} {op} {n}".encode()) % 100003
+                x = make_input(seed, rank, n, dtype, op)
+                commlab.all_reduce(x, op=getattr(dist.ReduceOp, op), algorithm=algorithm)
+                want, tol = reference([make_input(seed, r, n, dtype, op) for r in range(p)], op, dtype)
+                why = check(x, want, tol)
+                key = f"{dtype} {op} n={n}"
+                if why:
+                    failures.append(f"rank {rank} {key}: {why}")
+                digests[key] = digest(x)
+    return failures, digests
+
+
+def assert_sweep(results):
+    failures = [f for fails, _ in results for f in fails]
+    assert not failures, "\n".join(failures[:20])
+    first = results[0][1]
+    for r, (_, d) in enumerate(results[1:], start=1):
+        diff = [k for k in first if first[k] != d[k]]
+        assert not diff, f"rank {r} differs bitwise from rank 0 at {diff[:10]}"
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
+def test_sweep(ranks, world_size, algorithm):
+    assert_sweep(ranks.run(world_size, sweep, algorithm, timeout=300))
+
+
+def strided(rank, p, algorithm):
+    out = []
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10) + rank
+    before = base.clone()
+    view = base[:, ::3]  # non-contiguous, 6x4
+    assert not view.is_contiguous()
+    commlab.all_reduce(view, algorithm=algorithm)
+    want = (torch.arange(60, dtype=torch.float32).reshape(6, 10)[:, ::3]) * p + sum(range(p))
+    if not torch.equal(view, want):
+        out.append(f"strided view wrong: {view} vs {want}")
+    untouched = torch.ones_like(base, dtype=torch.bool)
+    untouched[:, ::3] = False
+    if not torch.equal(base[untouched], before[untouched]):
+        out.append("elements outside the view were modified")
+    t = (torch.arange(12, dtype=torch.int64).reshape(3, 4) * (rank + 1)).t()
+    commlab.all_reduce(t, op=dist.ReduceOp.MAX, algorithm=algorithm)
+    if not torch.equal(t, (torch.arange(12).reshape(3, 4) * p).t()):
+        out.append(f"transposed MAX wrong: {t}")
+    s = torch.tensor(float(rank + 1))  # 0-dim
+    commlab.all_reduce(s, algorithm=algorithm)
+    if s.item() != p * (p + 1) / 2 or s.dim() != 0:
+        out.append(f"0-dim wrong: {s}")
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_strided_and_scalar(ranks, algorithm):
+    for fails in ranks.run(3, strided, algorithm):
+        assert not fails, fails
+
+
+def subgroups(rank, p, algorithm):
+    # Groups must be created in the same order on every rank.
+    evens = dist.new_group([0, 2])
+    odds = dist.new_group([1, 3])
+    trio = dist.new_group([1, 2, 3])
+    mine = evens if rank % 2 == 0 else odds
+    x = torch.full((37,), float(rank + 1))
+    commlab.all_reduce(x, group=mine, algorithm=algorithm)
+    members = [0, 2] if rank % 2 == 0 else [1, 3]
+    out = []
+    if not torch.equal(x, torch.full((37,), float(sum(m + 1 for m in members)))):
+        out.append(f"pair group sum wrong on rank {rank}: {x[:3]}")
+    if rank in (1, 2, 3):
+        y = torch.arange(10, dtype=torch.int32) + rank
+        commlab.all_reduce(y, op=dist.ReduceOp.MIN, group=trio, algorithm=algorithm)
+        if not torch.equal(y, torch.arange(10, dtype=torch.int32) + 1):
+            out.append(f"trio MIN wrong: {y}")
+    # The world group still works after sub-group traffic.
+    z = torch.ones(5)
+    commlab.all_reduce(z, algorithm=algorithm)
+    if not torch.equal(z, torch.full((5,), float(p))):
+        out.append("world after sub-groups wrong")
+    for g in (evens, odds, trio):
+        if g != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(g)
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_subgroups(ranks, algorithm):
+    for fails in ranks.run(4, subgroups, algorithm):
+        assert not fails, fails
+
+
+def asynchronous(rank, p, algorithm):
+    xs = [torch.full((n,), float(rank + 1)) for n in (3, 1000, 17)]
+    works = [commlab.all_reduce(x, algorithm=algorithm, async_op=True) for x in xs]
+    # A blocking call issued while async ones are pending must queue behind them.
+    y = torch.full((5,), 2.0 * (rank + 1))
+    commlab.all_reduce(y, op=dist.ReduceOp.AVG, algorithm=algorithm)
+    out = []
+    for w, x in zip(works, xs):
+        fut = w.get_future()
+        w.wait()
+        if not w.is_completed() or not fut.done():
+            out.append("handle not completed after wait")
+        if fut.value()[0] is not x:
+            out.append("future does not hold the input tensor")
+        if not torch.equal(x, torch.full_like(x, p * (p + 1) / 2)):
+            out.append(f"async result wrong: {x[:3]}")
+    if not torch.allclose(y, torch.full((5,), float(p + 1))):
+        out.append(f"blocking AVG after async wrong: {y}")
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_async_op(ranks, algorithm):
+    for fails in ranks.run(3, asynchronous, algorithm):
+        assert not fails, fails
+
+
+def refusals(rank, p):
+    out = []
+    cases = {
+        "bool dtype": lambda: commlab.all_reduce(torch.ones(3, dtype=torch.bool)),
+        "complex dtype": lambda: commlab.all_reduce(torch.ones(3, dtype=torch.complex64)),
+        "BAND op": lambda: commlab.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.BAND),
+        "unknown algorithm": lambda: commlab.all_reduce(torch.ones(3), algorithm="nope"),
+        "not a tensor": lambda: commlab.all_reduce([1.0, 2.0]),
+        "sparse": lambda: commlab.all_reduce(torch.ones(3).to_sparse()),
+    }
+    for name, call in cases.items():
+        try:
+            call()
+        except commlab.UnsupportedError as e:
+            out.append((name, str(e)))
+        else:
+            out.append((name, "NOT RAISED"))
+    # The group must still be usable: nothing was sent.
+    x = torch.ones(4)
+    commlab.all_reduce(x)
+    out.append(("after", x.tolist()))
+    return out
+
+
+def test_refusals_identical_on_every_rank(ranks):
+    results = ranks.run(3, refusals)
+    for name, msg in results[0][:-1]:
+        assert msg != "NOT RAISED", name
+    assert all(r == results[0] for r in results), "ranks raised different errors"
+    assert results[0][-1] == ("after", [3.0] * 4)
+    assert issubclass(commlab.UnsupportedError, ValueError)
+    assert issubclass(commlab.UnsupportedError, commlab.CommlabError)
+
+
+def test_registry_shape():
+    names = commlab.algorithm_names()
+    for required in ["builtin", "ring", "ps", "ps_sharded", "rhd", "rd"]:
+        assert required in names
+    for n in names:
+        alg = commlab.get_algorithm(n)
+        assert alg.name == n and alg.summary and alg.formula
+        c = alg.cost(4, 1 << 20)
+        assert c.steps > 0 and c.bytes_sent > 0
+    with pytest.raises(commlab.UnsupportedError):
+        commlab.get_algorithm("no-such-algorithm")
+
+
+def test_cost_facts():
+    n = 1 << 20
+    ring = commlab.get_algorithm("ring").cost(4, n)
+    assert ring.steps == 6 and ring.bytes_sent == pytest.approx(1.5 * n)
+    ps = commlab.get_algorithm("ps").cost(4, n)
+    assert ps.bytes_sent == pytest.approx(6 * n)  # the root: 2(p-1)·n
+    rhd = commlab.get_algorithm("rhd").cost(8, n)
+    assert rhd.steps == 6 and rhd.bytes_sent == pytest.approx(2 * 7 / 8 * n)
+    rd = commlab.get_algorithm("rd").cost(8, n)
+    assert rd.steps == 3 and rd.bytes_sent == pytest.approx(3 * n)
+    assert commlab.get_algorithm("rd").cost(5, n).steps == 2 + 2  # fold adds two steps
