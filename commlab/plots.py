@@ -1,0 +1,37 @@
+"""PNG plots (matplotlib is an optional extra: pip install commlab[plot])."""
+from __future__ import annotations
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib (or commlab[plot])") from None
+    return plt
+
+
+def plot_bench(doc: dict, path: str) -> None:
+    plt = _pyplot()
+    results = doc["results"]
+    fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for alg in dict.fromkeys(r["algorithm"] for r in results):
+        rows = [r for r in results if r["algorithm"] == alg]
+        xs = [r["bytes"] for r in rows]
+        ax_bw.plot(xs, [r["busbw_gbps"] for r in rows], marker="o", ms=3, label=alg)
+        ax_t.plot(xs, [r["time_us"] for r in rows], marker="o", ms=3, label=alg)
+    env = doc["env"]
+    for ax, ylabel in ((ax_bw, "busbw (GB/s)"), (ax_t, "time (us)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.legend(fontsize=8)
+    fig.suptitle(f"all-reduce, {env['world_size']} ranks, {env['backend']} on {env['device']} ({env.get('cpu', '')})",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,99 @@
+"""Timing collectives the way nccl-tests does, once for every algorithm and anchor.
+
+Per-call durations are taken on every rank and combined element-wise with MAX across
+ranks: an iteration lasts as long as its slowest rank. The median is the headline,
+p10/p90 the spread.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_us: float
+    p10_us: float
+    p90_us: float
+    iters: int
+
+
+def _percentile(sorted_vals: list[float], q: float) -> float:
+    if len(sorted_vals) == 1:
+        return sorted_vals[0]
+    pos = q * (len(sorted_vals) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
+
+
+class Clock:
+    """perf_counter on CPU; CUDA events on GPU so asynchronous launches are timed by
+    their completion, not their issue."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def durations_us(self, marks) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) * 1e3 for a, b in zip(marks, marks[1:])]
+        return [(b - a) * 1e6 for a, b in zip(marks, marks[1:])]
+
+
+def agree_min(value: int, device: torch.device) -> int:
+    """Every rank must run the same number of iterations."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def slowest(durations: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(durations, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()
+
+
+def time_calls(call: Callable[[], None], *, device: torch.device, iters: int | None, warmup: int,
+               blocking: bool, budget_s: float, max_iters: int) -> Timing:
+    """Time `call` (a full collective). iters=None: as many as fit budget_s, judged
+    from the warm-up, between 3 and max_iters, agreed across ranks."""
+    clock = Clock(device)
+    t0 = time.perf_counter()
+    for _ in range(max(warmup, 1)):
+        call()
+    if clock.cuda:
+        torch.cuda.synchronize()
+    per_call = (time.perf_counter() - t0) / max(warmup, 1)
+    if iters is None:
+        iters = int(min(max_iters, max(3, budget_s / max(per_call, 1e-6))))
+    iters = agree_min(iters, device)
+
+    dist.barrier()
+    if blocking:
+        durations = []
+        for _ in range(iters):
+            dist.barrier()
+            start = clock.mark()
+            call()
+            durations.extend(clock.durations_us([start, clock.mark()]))
+    else:
+        marks = [clock.mark()]
+        for _ in range(iters):
+            call()
+            marks.append(clock.mark())
+        durations = clock.durations_us(marks)
+    worst = sorted(slowest(durations, device))
+    return Timing(statistics.median(worst), _percentile(worst, 0.1), _percentile(worst, 0.9), iters)
