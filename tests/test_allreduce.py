@@ -199,3 +199,11 @@ def test_cost_facts():
     rd = commlab.get_algorithm("rd").cost(8, n)
     assert rd.steps == 3 and rd.bytes_sent == pytest.approx(3 * n)
     assert commlab.get_algorithm("rd").cost(5, n).steps == 2 + 2  # fold adds two steps
+
+
+def test_readme_documents_every_algorithm():
+    import pathlib
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for name in commlab.algorithm_names():
+        assert f"| `{name}` |" in readme, f"README's algorithm table lacks {name}"

@@ -1,0 +1,80 @@
+"""A persistent local gloo group for pytest-benchmark: the pytest process is rank 0,
+helper ranks are spawned once and follow plans that rank 0 broadcasts.
+
+Each benchmark round is one collective on every rank: rank 0 broadcasts
+(algorithm, bytes, calls) and then all ranks make exactly `calls` calls in lock-step,
+the number pytest-benchmark's pedantic mode will make on rank 0.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+STOP = -1
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, world_size: int, port: int) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+
+
+def _plan(values=None) -> list[int]:
+    t = torch.tensor(values if values is not None else [0, 0, 0], dtype=torch.int64)
+    dist.broadcast(t, src=0)
+    return t.tolist()
+
+
+def _helper(rank: int, world_size: int, port: int) -> None:
+    import commlab
+
+    _init(rank, world_size, port)
+    names = commlab.algorithm_names()
+    while True:
+        alg, nbytes, calls = _plan()
+        if alg == STOP:
+            break
+        buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
+        for _ in range(calls):
+            commlab.all_reduce(buf, algorithm=names[alg])
+    dist.destroy_process_group()
+
+
+class BenchGroup:
+    def __init__(self, world_size: int):
+        import commlab
+
+        self.world_size = world_size
+        self.names = commlab.algorithm_names()
+        port = _port()
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_helper, args=(r, world_size, port), daemon=True)
+                      for r in range(1, world_size)]
+        for p in self.procs:
+            p.start()
+        _init(0, world_size, port)
+
+    def prepare(self, algorithm: str, nbytes: int, calls: int) -> torch.Tensor:
+        """Tell the helpers what comes next; returns rank 0's buffer."""
+        _plan([self.names.index(algorithm), nbytes, calls])
+        return torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
+
+    def close(self) -> None:
+        _plan([STOP, 0, 0])
+        dist.destroy_process_group()
+        for p in self.procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()

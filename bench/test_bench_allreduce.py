@@ -1,0 +1,30 @@
+"""pytest bench/ --benchmark-only: each algorithm x {4 KiB, 1 MiB, 16 MiB} on a
+persistent 4-rank gloo group; busbw (nccl-tests definition) in extra_info."""
+import pytest
+
+import commlab
+from commlab.algorithms import Algorithm, for_device
+
+SIZES = {"4K": 4 << 10, "1M": 1 << 20, "16M": 16 << 20}
+ROUNDS = {"4K": 40, "1M": 15, "16M": 4}
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("algorithm", for_device("cpu"))
+def test_allreduce(benchmark, bench_group, algorithm, size):
+    nbytes, rounds = SIZES[size], ROUNDS[size]
+    warmup = 2
+    # A disabled benchmark (--benchmark-disable, the CI smoke) calls the target once.
+    calls = 1 if benchmark.disabled else rounds + warmup
+    buf = bench_group.prepare(algorithm, nbytes, calls)
+    benchmark.group = f"allreduce {size}"
+    benchmark.pedantic(commlab.all_reduce, args=(buf,), kwargs={"algorithm": algorithm},
+                       rounds=rounds, iterations=1, warmup_rounds=warmup)
+    if benchmark.disabled:
+        assert float(buf.sum()) == 0.0
+        return
+    t = benchmark.stats.stats.median
+    p = bench_group.world_size
+    algbw = buf.numel() * buf.element_size() / t / 1e9
+    benchmark.extra_info.update(world_size=p, bytes=buf.numel() * 4, algbw_gbps=algbw,
+                                busbw_gbps=algbw * Algorithm.busbw_factor(p))

@@ -1,0 +1,90 @@
+"""The benchmark CLI, the cost model and the bench/ suite stay runnable (smoke runs,
+correctness of their outputs only; no timing is asserted)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import commlab
+from commlab import costmodel
+from commlab.units import format_bytes, parse_bytes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULT_KEYS = {"algorithm", "bytes", "count", "dtype", "op", "time_us", "algbw_gbps", "busbw_gbps", "wrong",
+               "p10_us", "p90_us"}
+
+
+def _run(args, timeout=240):
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("op,dtype", [("sum", "float"), ("avg", "int32"), ("max", "bfloat16")])
+def test_bench_cli_spawn_json(tmp_path, op, dtype):
+    out = tmp_path / "r.json"
+    csv = tmp_path / "r.csv"
+    proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "3", "-b", "8", "-e", "8K", "-f", "32",
+                 "-n", "3", "-w", "1", "-o", op, "-d", dtype, "--json", str(out), "--csv", str(csv)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["env"]["world_size"] == 3 and doc["env"]["backend"] == "gloo"
+    algs = commlab.algorithms.for_device("cpu")
+    assert {r["algorithm"] for r in doc["results"]} == set(algs)
+    assert len(doc["results"]) == 3 * len(algs)  # 8, 256, 8K bytes
+    for r in doc["results"]:
+        assert RESULT_KEYS <= set(r)
+        assert r["wrong"] == 0, r
+        assert r["p10_us"] <= r["time_us"] <= r["p90_us"]
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 4 / 3)
+    assert "out of bounds values: 0 OK" in proc.stdout
+    assert csv.read_text().startswith("algorithm,bytes,count")
+
+
+def test_bench_cli_rejects_unknown_algorithm():
+    proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "2", "--algorithms", "ring,nope", "-e", "8"])
+    assert proc.returncode != 0
+    assert "unknown algorithm 'nope'" in proc.stderr
+
+
+def test_costmodel_recovers_known_parameters(tmp_path):
+    alpha, beta, gamma = 50.0, 1e-3, 2e-4  # us, us/B, us/B
+    p = 4
+    results = []
+    for alg in ["ring", "ps", "rd", "rhd"]:
+        for n in [2**k for k in range(3, 27, 2)]:
+            t = commlab.get_algorithm(alg).cost(p, n).time(alpha, beta, gamma)
+            results.append({"algorithm": alg, "bytes": n, "time_us": t})
+    fits = costmodel.fit([(r["algorithm"], p, r["bytes"], r["time_us"]) for r in results], gamma)
+    for f in fits.values():
+        assert f.alpha_us == pytest.approx(alpha, rel=1e-6)
+        assert f.beta_us_per_byte == pytest.approx(beta, rel=1e-6)
+        assert f.max_rel_err < 1e-9
+    doc = {"env": {"world_size": p, "gamma_us_per_byte": gamma}, "results": results}
+    src = tmp_path / "bench.json"
+    src.write_text(json.dumps(doc))
+    pred = tmp_path / "pred.json"
+    proc = _run(["-m", "commlab.costmodel", "--from", str(src), "--ranks", "8,64", "--bytes", "1M,100M",
+                 "--holdout", "--json", str(pred)])
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(pred.read_text())
+    ring = [x for x in got["predictions"] if x["ranks"] == 64 and x["bytes"] == 100 << 20][0]["time_us"]["ring"]
+    assert ring == pytest.approx(commlab.get_algorithm("ring").cost(64, 100 << 20).time(alpha, beta, gamma), rel=1e-6)
+    assert all(v["max_rel_err"] < 1e-6 for v in got["holdout"].values())
+
+
+def test_units():
+    assert parse_bytes("4K") == 4096 and parse_bytes("1M") == 1 << 20 and parse_bytes("1G") == 1 << 30
+    assert parse_bytes("64") == 64 and format_bytes(1 << 20) == "1M" and format_bytes(100) == "100"
+    with pytest.raises(ValueError):
+        parse_bytes("12Q")
+
+
+def test_bench_suite_smoke():
+    """pytest bench/ with benchmarks disabled: every benchmark body runs once."""
+    proc = _run(["-m", "pytest", "bench/", "-q", "--benchmark-disable", "-k", "4K or kernels", "-p", "no:cacheprovider"],
+                timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout
