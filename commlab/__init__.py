@@ -7,7 +7,7 @@
 import torch  # noqa: F401  (loads libtorch before commlab._C)
 
 from .api import algorithm_names, all_reduce, get_algorithm
-from .errors import CommlabError, PeerError, UnsupportedError
+from .errors import CollectiveMismatchError, CommlabError, PeerError, UnsupportedError
 
 __version__ = "0.1.0"
 
@@ -18,5 +18,6 @@ __all__ = [
     "CommlabError",
     "UnsupportedError",
     "PeerError",
+    "CollectiveMismatchError",
     "__version__",
 ]

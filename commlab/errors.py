@@ -21,3 +21,7 @@ class PeerError(CommlabError):
         super().__init__(message)
         self.algorithm = algorithm
         self.peer = peer
+
+
+class CollectiveMismatchError(CommlabError):
+    """Ranks entered the same collective with different sizes, dtypes, ops or algorithms."""

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "cpu/reduce_n.h"
+#include "cpu/shm_comm.h"
 
 namespace commlab {
 #ifdef COMMLAB_WITH_CUDA
@@ -40,7 +41,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "commlab native kernels and transports";
   m.def("version", [] { return std::string(COMMLAB_VERSION); }, "commlab._C build version");
   m.def("has_cuda", &commlab::has_cuda, "whether CUDA sources were compiled in");
+  m.def("simd_level", &commlab::simd_level, "instruction set the CPU reduction loop uses");
+  m.def("simd_levels", &commlab::simd_levels, "instruction sets this CPU supports");
+  m.def("set_simd_level", &commlab::set_simd_level, "choose scalar, avx2 or avx512 (benchmarks)");
   m.def("reduce_n", &commlab::reduce_n, pybind11::arg("out"), pybind11::arg("inputs"),
         pybind11::arg("op"),
         "out = inputs[0] op inputs[1] op ... in that order (op codes: 0 sum, 1 product, 2 min, 3 max)");
+
+  pybind11::class_<commlab::ShmComm>(m, "ShmComm", "shared-memory all-reduce among the ranks of one host")
+      .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, int64_t, std::vector<int64_t>>(),
+           pybind11::arg("token_hex"), pybind11::arg("rank"), pybind11::arg("world"), pybind11::arg("capacity"),
+           pybind11::arg("timeout_ms"), pybind11::arg("global_ranks"))
+      .def("attach", &commlab::ShmComm::attach, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("unlink_own", &commlab::ShmComm::unlink_own)
+      .def("close", &commlab::ShmComm::close)
+      .def("allreduce", &commlab::ShmComm::allreduce, pybind11::arg("tensor"), pybind11::arg("op"),
+           pybind11::arg("mode"), "in place; mode 0 auto, 1 one-shot, 2 two-shot, 3 root reduces")
+      .def("segment_name", &commlab::ShmComm::segment_name)
+      .def_property_readonly("capacity", &commlab::ShmComm::capacity)
+      .def_property_readonly("calls", &commlab::ShmComm::calls)
+      .def_property("oneshot_max", &commlab::ShmComm::oneshot_max, &commlab::ShmComm::set_oneshot_max);
 }

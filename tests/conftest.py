@@ -3,8 +3,13 @@ import torch
 
 from ranks import RankPool
 
-# Small segments so moderate test sizes exercise the ring's pipelining.
-RANK_ENV = {"COMMLAB_RING_SEGMENT_BYTES": "4096"}
+# Small segments and buffers so moderate test sizes exercise the ring's pipelining,
+# shared memory's pieces (tensors larger than a buffer) and both shm modes.
+RANK_ENV = {
+    "COMMLAB_RING_SEGMENT_BYTES": "4096",
+    "COMMLAB_SHM_CAPACITY": "16384",
+    "COMMLAB_SHM_ONESHOT_MAX": "2048",
+}
 
 
 class Pools:

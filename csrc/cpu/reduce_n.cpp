@@ -1,90 +1,113 @@
 #include "reduce_n.h"
 
-#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
+#include "reduce_codes.h"
+
 namespace commlab {
+namespace baseline {
+namespace {
+inline float h2f(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+inline uint16_t f2h(float f) { return c10::detail::fp16_ieee_from_fp32_value(f); }
+}  // namespace
+#include "reduce_impl.inc"
+}  // namespace baseline
+
 namespace {
 
-// The accumulator type: float for the 16-bit floats (one rounding at the end),
-// the element type itself otherwise (integers wrap exactly like torch's).
-template <typename T> struct Acc { using type = T; };
-template <> struct Acc<c10::Half> { using type = float; };
-template <> struct Acc<c10::BFloat16> { using type = float; };
+using ReduceFn = bool (*)(void*, const void* const*, int64_t, int64_t, int, int);
 
-template <typename A>
-inline A combine(A a, A b, RedOp op) {
-  switch (op) {
-    case RedOp::kSum: return a + b;
-    case RedOp::kProduct: return a * b;
-    case RedOp::kMin:
-      if constexpr (std::is_floating_point_v<A>) {
-        // torch.minimum semantics: NaN wins, whichever side it is on.
-        if (std::isnan(a)) return a;
-        if (std::isnan(b)) return b;
-      }
-      return b < a ? b : a;
-    case RedOp::kMax:
-      if constexpr (std::is_floating_point_v<A>) {
-        if (std::isnan(a)) return a;
-        if (std::isnan(b)) return b;
-      }
-      return b > a ? b : a;
+struct Level {
+  const char* name;
+  ReduceFn fn;
+  bool (*supported)();
+};
+
+bool always() { return true; }
+bool has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+bool has_avx512() { return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl"); }
+
+const Level kLevels[] = {
+    {"scalar", &baseline::reduce, &always},
+    {"avx2", &avx2::reduce, &has_avx2},
+    {"avx512", &avx512::reduce, &has_avx512},
+};
+constexpr int kNumLevels = sizeof(kLevels) / sizeof(kLevels[0]);
+
+// The default is AVX2 even where AVX-512 exists: measured no faster for this
+// memory-bound loop, and 512-bit code lowers the clock on some parts
+// (bench/test_bench_kernels.py compares them).
+int default_level() {
+  if (const char* env = std::getenv("COMMLAB_SIMD")) {
+    for (int i = 0; i < kNumLevels; ++i)
+      if (std::strcmp(env, kLevels[i].name) == 0 && kLevels[i].supported()) return i;
   }
-  return a;
+  return has_avx2() ? 1 : 0;
 }
 
-// Blocked so the accumulator stays in L1 while every input streams through once;
-// the switch on op is hoisted out of the inner loop so it vectorizes.
-template <typename T, RedOp OP>
-void reduce_block_loop(T* out, const void* const* inputs, int64_t n, int64_t numel) {
-  using A = typename Acc<T>::type;
-  constexpr int64_t kBlock = 1024;
-  A acc[kBlock];
-  for (int64_t base = 0; base < numel; base += kBlock) {
-    const int64_t len = std::min(kBlock, numel - base);
-    const T* in0 = static_cast<const T*>(inputs[0]) + base;
-    for (int64_t i = 0; i < len; ++i) acc[i] = static_cast<A>(in0[i]);
-    for (int64_t k = 1; k < n; ++k) {
-      const T* in = static_cast<const T*>(inputs[k]) + base;
-      for (int64_t i = 0; i < len; ++i) acc[i] = combine<A>(acc[i], static_cast<A>(in[i]), OP);
-    }
-    T* o = out + base;
-    for (int64_t i = 0; i < len; ++i) o[i] = static_cast<T>(acc[i]);
+std::atomic<int> g_level{-1};
+
+int level() {
+  int l = g_level.load(std::memory_order_relaxed);
+  if (l < 0) {
+    l = default_level();
+    g_level.store(l, std::memory_order_relaxed);
   }
+  return l;
 }
 
-template <typename T>
-void reduce_typed(void* out, const void* const* inputs, int64_t n, int64_t numel, RedOp op) {
-  T* o = static_cast<T*>(out);
-  switch (op) {
-    case RedOp::kSum: return reduce_block_loop<T, RedOp::kSum>(o, inputs, n, numel);
-    case RedOp::kProduct: return reduce_block_loop<T, RedOp::kProduct>(o, inputs, n, numel);
-    case RedOp::kMin: return reduce_block_loop<T, RedOp::kMin>(o, inputs, n, numel);
-    case RedOp::kMax: return reduce_block_loop<T, RedOp::kMax>(o, inputs, n, numel);
+int dtype_code(c10::ScalarType t) {
+  switch (t) {
+    case c10::kFloat: return kF32;
+    case c10::kDouble: return kF64;
+    case c10::kHalf: return kF16;
+    case c10::kBFloat16: return kBF16;
+    case c10::kInt: return kI32;
+    case c10::kLong: return kI64;
+    case c10::kByte: return kU8;
+    default: return -1;
   }
-  TORCH_CHECK(false, "commlab: unknown reduction op ", static_cast<int64_t>(op));
 }
 
 }  // namespace
+
+std::string simd_level() { return kLevels[level()].name; }
+
+std::vector<std::string> simd_levels() {
+  std::vector<std::string> out;
+  for (const auto& l : kLevels)
+    if (l.supported()) out.emplace_back(l.name);
+  return out;
+}
+
+void set_simd_level(const std::string& name) {
+  for (int i = 0; i < kNumLevels; ++i) {
+    if (name == kLevels[i].name) {
+      TORCH_CHECK(kLevels[i].supported(), "commlab: this CPU does not support ", name);
+      g_level.store(i);
+      return;
+    }
+  }
+  TORCH_CHECK(false, "commlab: unknown SIMD level '", name, "' (scalar, avx2, avx512)");
+}
 
 void reduce_n_raw(void* out, const void* const* inputs, int64_t n_inputs, int64_t numel,
                   c10::ScalarType dtype, RedOp op) {
   TORCH_CHECK(n_inputs >= 1, "commlab: reduce_n needs at least one input");
   if (numel == 0) return;
-  switch (dtype) {
-    case c10::kFloat: return reduce_typed<float>(out, inputs, n_inputs, numel, op);
-    case c10::kDouble: return reduce_typed<double>(out, inputs, n_inputs, numel, op);
-    case c10::kHalf: return reduce_typed<c10::Half>(out, inputs, n_inputs, numel, op);
-    case c10::kBFloat16: return reduce_typed<c10::BFloat16>(out, inputs, n_inputs, numel, op);
-    case c10::kInt: return reduce_typed<int32_t>(out, inputs, n_inputs, numel, op);
-    case c10::kLong: return reduce_typed<int64_t>(out, inputs, n_inputs, numel, op);
-    case c10::kByte: return reduce_typed<uint8_t>(out, inputs, n_inputs, numel, op);
-    default: TORCH_CHECK(false, "commlab: reduce_n does not support dtype ", dtype);
-  }
+  const int code = dtype_code(dtype);
+  TORCH_CHECK(code >= 0, "commlab: reduce_n does not support dtype ", dtype);
+  kLevels[level()].fn(out, inputs, n_inputs, numel, code, static_cast<int>(op));
 }
 
 void reduce_n_cpu(const torch::Tensor& out, const std::vector<torch::Tensor>& inputs, RedOp op) {
@@ -101,6 +124,8 @@ void reduce_n_cpu(const torch::Tensor& out, const std::vector<torch::Tensor>& in
                 out.numel());
     ptrs.push_back(t.data_ptr());
   }
+  TORCH_CHECK(dtype_code(out.scalar_type()) >= 0, "commlab: reduce_n does not support dtype ",
+              out.scalar_type());
   // Pure computation on buffers we hold references to: let other Python threads run.
   pybind11::gil_scoped_release no_gil;
   reduce_n_raw(out.data_ptr(), ptrs.data(), static_cast<int64_t>(ptrs.size()), out.numel(),

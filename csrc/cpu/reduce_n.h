@@ -6,6 +6,7 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 namespace commlab {
@@ -18,6 +19,12 @@ void reduce_n_cpu(const torch::Tensor& out, const std::vector<torch::Tensor>& in
 
 // Raw-pointer variant for callers that reduce out of shared memory without
 // wrapping every slice in a tensor.
+// Which instruction-set build of the loop runs: picked once from the CPU (AVX2 when
+// present), overridable with COMMLAB_SIMD=scalar|avx2|avx512 or set_simd_level().
+std::string simd_level();
+std::vector<std::string> simd_levels();
+void set_simd_level(const std::string& name);
+
 void reduce_n_raw(void* out, const void* const* inputs, int64_t n_inputs, int64_t numel,
                   c10::ScalarType dtype, RedOp op);
 

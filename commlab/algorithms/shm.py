@@ -1,0 +1,30 @@
+"""Shared-memory all-reduce for CPU ranks on one host (commlab._C.ShmComm): one-shot
+(every rank reduces all inputs, one synchronisation) for small messages, two-shot
+(reduce-scatter into one's own slot, then all-gather) for large ones."""
+from .. import shm
+from .base import Algorithm, Cost
+
+
+class SharedMemory(Algorithm):
+    name = "shm"
+    summary = "shared memory on one host: one-shot below COMMLAB_SHM_ONESHOT_MAX, two-shot above"
+    formula = ("one-shot: α + n·β(copy in) + (p-1)·nγ;  two-shot: 2α + 2n·β(copy in, copy out) + (p-1)/p·nγ; "
+               "β, γ are memory traffic")
+    wins_when = "ranks on one host: no sockets, no kernel copies, reductions read peers' memory directly"
+    devices = ("cpu",)
+    order = 60
+    mode = shm.MODE_AUTO
+
+    def cost(self, p, nbytes):
+        if nbytes <= shm.ONESHOT_MAX:
+            return Cost(1, nbytes, (p - 1) * nbytes)
+        return Cost(2, 2 * nbytes, (p - 1) / p * nbytes)
+
+    def unsupported(self, tensor, op, info):
+        return shm.unsupported(info)
+
+    def run(self, buf, op, ctx):
+        shm.all_reduce(buf, int(op), self.mode, ctx.info, self.name)
+
+
+ALGORITHM = SharedMemory()

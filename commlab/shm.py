@@ -1,0 +1,168 @@
+"""Shared-memory communicators (commlab._C.ShmComm), one per process group, set up on
+first use and cached.
+
+Setup is itself collective and agreed: host ids are gathered (a group spanning hosts
+is refused identically on every rank), rank 0 draws a 128-bit token that names the
+segments, every rank creates its own segment, all ranks report success before anyone
+attaches, and every segment is unlinked as soon as all ranks mapped it, so a crash
+afterwards leaves nothing in /dev/shm.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import threading
+
+import torch
+import torch.distributed as dist
+
+from . import _ext
+from .errors import CollectiveMismatchError, CommlabError, PeerError, UnsupportedError
+from .groups import GroupInfo
+
+# Bytes per data buffer (each rank's segment holds two, by call parity); larger
+# tensors go through in pieces.
+CAPACITY = int(os.environ.get("COMMLAB_SHM_CAPACITY", str(8 << 20)))
+# Up to this many bytes every rank reduces everything (one synchronisation); above
+# it, each rank reduces 1/p and copies the rest (two synchronisations, p× less reading).
+ONESHOT_MAX = int(os.environ.get("COMMLAB_SHM_ONESHOT_MAX", str(128 << 10)))
+
+MODE_AUTO, MODE_ONESHOT, MODE_TWOSHOT, MODE_ROOT = 0, 1, 2, 3
+
+
+def host_id() -> str:
+    """Ranks can share memory only with the same kernel, mount and network namespace
+    (separate network namespaces are how tests emulate separate hosts)."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        pass
+    for ns in ("mnt", "net"):
+        try:
+            parts.append(f"{ns}:{os.stat(f'/proc/self/ns/{ns}').st_ino}")
+        except OSError:
+            pass
+    return "/".join(parts)
+
+
+class _Entry:
+    def __init__(self, group):
+        self.group = group
+        self.comm = None
+        self.unsupported: str | None = None
+        self.broken: str | None = None
+        self.lock = threading.Lock()
+
+
+_entries: dict[int, _Entry] = {}
+_entries_lock = threading.Lock()
+
+
+def _gather(info: GroupInfo, value) -> list:
+    out = [None] * info.size
+    dist.all_gather_object(out, value, group=info.group)
+    return out
+
+
+def _agree(info: GroupInfo, what: str, step) -> None:
+    """Run step() on every rank; if it failed anywhere, raise the same error everywhere."""
+    try:
+        step()
+        mine = None
+    except Exception as e:  # noqa: BLE001 - reported to every rank below
+        mine = str(e)
+    errors = _gather(info, mine)
+    failed = {info.global_rank(r): e for r, e in enumerate(errors) if e is not None}
+    if failed:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+        raise CommlabError(f"commlab[shm]: {what} failed on rank(s) {sorted(failed)}: {detail}")
+
+
+def _setup(entry: _Entry, info: GroupInfo) -> None:
+    C = _ext.require()
+    hosts = _gather(info, host_id())
+    if len(set(hosts)) > 1:
+        by_host: dict[str, list[int]] = {}
+        for r, h in enumerate(hosts):
+            by_host.setdefault(h.split("/")[0] + ("" if h == hosts[0] else f" ({h.split('/', 1)[-1][-20:]})"), []).append(
+                info.global_rank(r))
+        entry.unsupported = ("the group spans more than one host, shared memory cannot serve it: "
+                             + ", ".join(f"{h}: ranks {rs}" for h, rs in by_host.items()))
+        return
+    token = torch.empty(16, dtype=torch.uint8)
+    if info.rank == 0:
+        token.copy_(torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8))
+    dist.broadcast(token, src=info.global_rank(0), group=info.group)
+    token_hex = bytes(token.tolist()).hex()
+    timeout_ms = int(info.timeout.total_seconds() * 1000)
+    made = {}
+
+    def create():
+        made["comm"] = C.ShmComm(token_hex, info.rank, info.size, CAPACITY, timeout_ms, list(info.global_ranks))
+
+    try:
+        _agree(info, "creating shared-memory segments", create)
+        comm = made["comm"]
+        comm.oneshot_max = ONESHOT_MAX
+        _agree(info, "attaching peer segments", comm.attach)
+    finally:
+        # Either every rank mapped every segment, or setup failed: the names go now.
+        if "comm" in made:
+            made["comm"].unlink_own()
+    entry.comm = comm
+
+
+def _entry(info: GroupInfo) -> _Entry:
+    key = id(info.group)
+    with _entries_lock:
+        entry = _entries.get(key)
+        if entry is None or entry.group is not info.group:
+            if entry is not None and entry.comm is not None:
+                entry.comm.close()
+            entry = _Entry(info.group)
+            _entries[key] = entry
+    return entry
+
+
+def unsupported(info: GroupInfo) -> str | None:
+    backend = str(dist.get_backend(info.group))
+    if "gloo" not in backend and "mpi" not in backend:
+        return f"setup needs a CPU-capable backend (gloo) on the group, it has {backend}"
+    return None
+
+
+def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm: str) -> None:
+    entry = _entry(info)
+    with entry.lock:
+        if entry.comm is None and entry.unsupported is None and entry.broken is None:
+            _setup(entry, info)
+        if entry.unsupported:
+            raise UnsupportedError(f"commlab[{algorithm}]: {entry.unsupported}")
+        if entry.broken:
+            raise CommlabError(f"commlab[{algorithm}]: this group's shared memory is unusable after: {entry.broken}")
+        try:
+            entry.comm.allreduce(buf, op, mode)
+        except RuntimeError as e:
+            # A failed call leaves peers at unknown phases: the communicator is done.
+            msg = str(e)
+            entry.broken = msg
+            entry.comm.close()
+            if "mismatch" in msg:
+                raise CollectiveMismatchError(f"commlab[{algorithm}]: {msg}") from None
+            raise PeerError(f"commlab[{algorithm}]: {msg}", algorithm=algorithm, peer=None) from None
+
+
+def release(group=None) -> None:
+    """Unmap the shared memory of `group` (default: all groups)."""
+    with _entries_lock:
+        keys = list(_entries) if group is None else [id(group)]
+        for k in keys:
+            entry = _entries.pop(k, None)
+            if entry is not None and entry.comm is not None:
+                entry.comm.close()
+
+
+atexit.register(release)

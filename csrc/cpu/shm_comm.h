@@ -1,0 +1,66 @@
+// Shared-memory all-reduce for CPU ranks on one host.
+//
+// Each rank owns one segment (created O_EXCL, mode 0600, name from a 128-bit token the
+// group agreed on), with a header validated on attach, a sequence counter and a futex
+// word on cache lines of their own, and two data buffers used by call parity. A
+// rank's counter only grows (call*4 + phase) and waiters accept "this phase or
+// later", so two buffers are enough and no call needs a trailing barrier: a peer can
+// only start writing buffer b again after everyone has announced the next call, which
+// each rank does only after it stopped reading buffer b.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace commlab {
+
+enum class ShmMode : int64_t { kAuto = 0, kOneShot = 1, kTwoShot = 2, kRoot = 3 };
+
+class ShmComm {
+ public:
+  // Creates, sizes, pre-faults and maps this rank's own segment.
+  ShmComm(const std::string& token_hex, int64_t rank, int64_t world, int64_t capacity,
+          int64_t timeout_ms, std::vector<int64_t> global_ranks);
+  ~ShmComm();
+  ShmComm(const ShmComm&) = delete;
+  ShmComm& operator=(const ShmComm&) = delete;
+
+  void attach();      // map and validate every peer's segment
+  void unlink_own();  // remove our name once every rank has mapped it
+  void allreduce(const torch::Tensor& t, int64_t op, int64_t mode);
+  void close();
+
+  int64_t capacity() const { return capacity_; }
+  int64_t oneshot_max() const { return oneshot_max_; }
+  void set_oneshot_max(int64_t bytes) { oneshot_max_ = bytes; }
+  std::string segment_name(int64_t rank) const;
+  uint64_t calls() const { return call_; }
+
+ private:
+  struct Segment;
+  void publish(uint64_t value);
+  void wait_for(int peer, uint64_t target);
+  void write_info(uint64_t call, int64_t nbytes, int dtype, int op, int mode);
+  void check_info(int peer, uint64_t call, int64_t nbytes, int dtype, int op, int mode);
+  void piece(char* dst, const char* src, int64_t nbytes, int64_t elsize, c10::ScalarType dtype,
+             int op, ShmMode mode);
+  [[noreturn]] void fail_wait(int peer, uint64_t target, const char* why);
+
+  std::string token_;
+  int rank_;
+  int world_;
+  int64_t capacity_;
+  int64_t timeout_ms_;
+  int64_t oneshot_max_;
+  int spin_;
+  std::vector<int64_t> global_ranks_;
+  std::vector<Segment*> segs_;
+  bool own_unlinked_ = false;
+  uint64_t call_ = 0;
+};
+
+}  // namespace commlab
