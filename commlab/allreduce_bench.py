@@ -53,14 +53,17 @@ def registry_rows(names: list[str], device_type: str) -> list[Row]:
 
 
 def mpi_row(dtype: torch.dtype) -> Row | None:
-    """MPI_Allreduce through mpi4py, as an external anchor in the same run."""
+    """MPI_Allreduce through mpi4py, as an external anchor in the same run; only when
+    mpiexec launched us (importing mpi4py elsewhere makes a 1-rank MPI world)."""
+    if launch.active().kind != "mpi" or dtype in (torch.float16, torch.bfloat16):
+        return None
     try:
         from mpi4py import MPI
     except ImportError:
         return None
-    if dtype in (torch.float16, torch.bfloat16) or not MPI.Is_initialized():
-        return None
     comm = MPI.COMM_WORLD
+    if comm.Get_size() != dist.get_world_size():
+        return None
     mpi_ops = {Op.SUM: MPI.SUM, Op.AVG: MPI.SUM, Op.PRODUCT: MPI.PROD, Op.MIN: MPI.MIN, Op.MAX: MPI.MAX}
 
     def call(t: torch.Tensor, op: Op) -> None:

@@ -27,24 +27,76 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, *, algorithm: str = "ri
     wait(), is_completed() and get_future(). Everything that could make one rank refuse
     is checked here, before any traffic, from facts all ranks share.
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise UnsupportedError(f"commlab: all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
+    plan = _plan(tensor, op, group, algorithm)
+    if not async_op and plan.lane.idle():
+        plan.execute(tensor)
+        return None
+    return plan.lane.submit(lambda: plan.execute(tensor), tensor, async_op)
+
+
+class _Plan:
+    """Everything about a call that depends only on (algorithm, op, group, dtype,
+    device type): validated once, then reused, because per-call Python work is a
+    visible share of a small shared-memory all-reduce."""
+
+    def __init__(self, alg, reduce_op: Op, info: groups.GroupInfo):
+        self.alg = alg
+        self.reduce_op = reduce_op
+        self.core_op = Op.SUM if reduce_op is Op.AVG else reduce_op
+        self.info = info
+        self.ctx = Context(info=info, p2p=P2P(info, alg.name))
+        self.lane = lanes.lane(info.group)
+
+    def live(self) -> bool:
+        return self.info.group in dist.distributed_c10d._world.pg_map
+
+    def execute(self, tensor: torch.Tensor) -> None:
+        if self.info.size == 1 or tensor.numel() == 0:
+            return
+        # Algorithms work on one flat contiguous buffer; a strided caller's view gets
+        # the result copied back, like gloo does for non-dense inputs.
+        direct = tensor.is_contiguous()
+        buf = tensor if direct else tensor.contiguous()
+        if buf.dim() != 1:
+            buf = buf.view(-1)
+        self.alg.run(buf, self.core_op, self.ctx)
+        if self.reduce_op is Op.AVG:
+            finish_average_(buf, self.info.size)
+        if not direct:
+            tensor.copy_(buf.view(tensor.shape))
+
+
+_plans: dict[tuple, _Plan] = {}
+
+
+def _plan(tensor: torch.Tensor, op, group, algorithm: str) -> _Plan:
+    device_type = tensor.device.type
+    try:
+        key = (algorithm, op, id(group), tensor.dtype, device_type, tensor.layout)
+        plan = _plans.get(key)
+    except TypeError:  # an unhashable op or algorithm: let validation explain
+        key, plan = None, None
+    if plan is not None and plan.live():
+        return plan
     alg = algorithms.get(algorithm)
     reduce_op = parse_op(op)
     _check_tensor(tensor)
     info = groups.resolve(group)
-    core_op = Op.SUM if reduce_op is Op.AVG else reduce_op
-    if tensor.device.type not in alg.devices:
+    if device_type not in alg.devices:
         raise UnsupportedError(
-            f"commlab[{alg.name}]: tensors on {tensor.device.type} are not supported "
+            f"commlab[{alg.name}]: tensors on {device_type} are not supported "
             f"(this algorithm serves {', '.join(alg.devices)})"
         )
+    core_op = Op.SUM if reduce_op is Op.AVG else reduce_op
     reason = alg.unsupported(tensor, core_op, info)
     if reason:
         raise UnsupportedError(f"commlab[{alg.name}]: {reason}")
-
-    def job() -> None:
-        _execute(alg, tensor, reduce_op, core_op, info)
-
-    return lanes.lane(info.group).submit(job, tensor, async_op)
+    plan = _Plan(alg, reduce_op, info)
+    if key is not None:
+        _plans[key] = plan
+    return plan
 
 
 def _check_tensor(tensor) -> None:
@@ -55,17 +107,3 @@ def _check_tensor(tensor) -> None:
     if tensor.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
         raise UnsupportedError(f"commlab: dtype {tensor.dtype} is not supported (supported: {names})")
-
-
-def _execute(alg, tensor: torch.Tensor, reduce_op: Op, core_op: Op, info: groups.GroupInfo) -> None:
-    if tensor.numel() == 0 or info.size == 1:
-        return
-    # Algorithms work on one flat contiguous buffer; a strided caller's view gets the
-    # result copied back, like gloo does for non-dense inputs.
-    direct = tensor.is_contiguous()
-    buf = tensor.view(-1) if direct else tensor.contiguous().view(-1)
-    alg.run(buf, core_op, Context(info=info, p2p=P2P(info, alg.name)))
-    if reduce_op is Op.AVG:
-        finish_average_(buf, info.size)
-    if not direct:
-        tensor.copy_(buf.view(tensor.shape))

@@ -50,12 +50,15 @@ def collect(device: torch.device) -> dict:
             env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
         except Exception:  # noqa: BLE001 - informational only
             env["nccl"] = None
-    try:
-        from mpi4py import MPI
+    from .launch import active
 
-        env["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
-    except Exception:  # noqa: BLE001 - mpi4py is optional
-        pass
+    if active().kind == "mpi":
+        try:
+            from mpi4py import MPI
+
+            env["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
+        except Exception:  # noqa: BLE001 - mpi4py is optional
+            pass
     return env
 
 

@@ -24,10 +24,24 @@ class GroupInfo:
         return self.global_ranks[group_rank]
 
 
+_cache: dict[int, GroupInfo] = {}
+
+
 def resolve(group: dist.ProcessGroup | None) -> GroupInfo:
+    """The group's facts, cached per live group: this runs on every collective, and the
+    lookups behind it cost more than a small shared-memory all-reduce."""
     if not dist.is_available() or not dist.is_initialized():
         raise CommlabError("commlab: torch.distributed is not initialized (call dist.init_process_group first)")
     g = group if group is not None else dist.group.WORLD
+    info = _cache.get(id(g))
+    if info is not None and info.group is g and g in dist.distributed_c10d._world.pg_map:
+        return info
+    info = _lookup(g)
+    _cache[id(g)] = info
+    return info
+
+
+def _lookup(g) -> GroupInfo:
     if g is None or g == dist.GroupMember.NON_GROUP_MEMBER:
         raise CommlabError("commlab: this process is not a member of the given group")
     try:

@@ -82,6 +82,10 @@ class _Lane:
                 self._pending -= 1
             work._finish(error)
 
+    def idle(self) -> bool:
+        """Nothing queued: a blocking call may run inline on the caller's thread."""
+        return self._pending == 0
+
     def submit(self, job: Callable[[], None], tensor: torch.Tensor, async_op: bool) -> Work | None:
         with self._lock:
             inline = not async_op and self._pending == 0

@@ -52,7 +52,17 @@ def default_backend(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
+_active: Launch | None = None
+
+
+def active() -> Launch:
+    """How this process was launched, as init() saw it (init rewrites RANK/WORLD_SIZE)."""
+    return _active or detect()
+
+
 def init(launch: Launch, backend: str, timeout_s: float, device: str) -> None:
+    global _active
+    _active = launch
     timeout = datetime.timedelta(seconds=timeout_s)
     if device == "cuda":
         torch.cuda.set_device(launch.local_rank % max(torch.cuda.device_count(), 1))

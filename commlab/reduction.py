@@ -49,6 +49,10 @@ HALF_TYPES = (torch.float16, torch.bfloat16)
 def parse_op(op) -> Op:
     if isinstance(op, Op):
         return op
+    try:
+        return _FROM_TORCH[op]  # the common case: a dist.ReduceOp member
+    except (KeyError, TypeError):
+        pass
     if isinstance(op, str):
         try:
             return Op[op.upper()]

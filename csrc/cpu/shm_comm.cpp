@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -117,6 +118,7 @@ ShmComm::ShmComm(const std::string& token_hex, int64_t rank, int64_t world, int6
       timeout_ms_(timeout_ms),
       oneshot_max_(env_int("COMMLAB_SHM_ONESHOT_MAX", 128 << 10)),
       spin_(env_int("COMMLAB_SHM_SPIN", 256)),
+      yield_us_(env_int("COMMLAB_SHM_YIELD_US", 200)),
       global_ranks_(std::move(global_ranks)) {
   TORCH_CHECK(token_.size() == 32, "commlab shm: token must be 32 hex characters");
   TORCH_CHECK(world_ >= 1 && rank_ >= 0 && rank_ < world_, "commlab shm: bad rank/world");
@@ -269,6 +271,18 @@ void ShmComm::wait_for(int peer, uint64_t target) {
   for (int i = 0; i < spin_; ++i) {
     if (seq.load(std::memory_order_acquire) >= target) return;
     cpu_relax();
+  }
+  // Then yield for a while: with more ranks than cores the peer we wait for is often
+  // runnable on this very core, and yielding hands it the core without the cost of a
+  // futex sleep and wake-up. Past that, sleep.
+  if (yield_us_ > 0) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(yield_us_);
+    do {
+      for (int k = 0; k < 16; ++k) {
+        if (seq.load(std::memory_order_acquire) >= target) return;
+        sched_yield();
+      }
+    } while (std::chrono::steady_clock::now() < until);
   }
   const int64_t deadline = now_ms() + timeout_ms_;
   while (true) {

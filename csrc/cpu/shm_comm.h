@@ -57,6 +57,7 @@ class ShmComm {
   int64_t timeout_ms_;
   int64_t oneshot_max_;
   int spin_;
+  int yield_us_;
   std::vector<int64_t> global_ranks_;
   std::vector<Segment*> segs_;
   bool own_unlinked_ = false;
