@@ -45,6 +45,7 @@ def _helper(rank: int, world_size: int, port: int) -> None:
     while True:
         alg, nbytes, calls = _plan()
         if alg == STOP:
+            dist.barrier()  # leave together (gloo aborts on half-torn connections)
             break
         buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
         for _ in range(calls):
@@ -73,6 +74,7 @@ class BenchGroup:
 
     def close(self) -> None:
         _plan([STOP, 0, 0])
+        dist.barrier()
         dist.destroy_process_group()
         for p in self.procs:
             p.join(30)

@@ -259,6 +259,9 @@ def rank_main(args) -> None:
         if doc is not None:
             print(report(doc), flush=True)
             write_outputs(doc, args)
+        # Leave together: gloo can abort a process whose peers tear their
+        # connections down while it is still using them.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

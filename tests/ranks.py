@@ -86,6 +86,27 @@ class RankPool:
             q.put((fn, args, kwargs))
         return self._collect(getattr(fn, "__name__", "fn"), timeout, expect="ok")
 
+    def run_faulty(self, fn, *args, timeout: float = 120.0, **kwargs) -> dict:
+        """For fault tests, where some rank is meant to die or fail: waits up to timeout
+        for every rank, returns {rank: ("ok"|"error", payload) or ("missing", alive)}
+        and retires the pool."""
+        for q in self._inq:
+            q.put((fn, args, kwargs))
+        out: dict = {}
+        deadline = time.monotonic() + timeout
+        while len(out) < self.world_size and time.monotonic() < deadline:
+            try:
+                rank, status, payload = self._outq.get(timeout=0.2)
+            except queue.Empty:
+                if all(not p.is_alive() for r, p in enumerate(self._procs) if r not in out):
+                    break
+                continue
+            out[rank] = (status, payload)
+        for r in range(self.world_size):
+            out.setdefault(r, ("missing", self._procs[r].is_alive()))
+        self.close()
+        return out
+
     def _collect(self, what: str, timeout: float, expect: str) -> list:
         results: dict[int, object] = {}
         errors: dict[int, str] = {}

@@ -9,10 +9,19 @@ from cases import DTYPES, make_input
 C = _ext.require()
 
 
+@pytest.fixture(params=C.simd_levels())
+def simd(request):
+    """Every instruction-set build of the loop this CPU can run."""
+    before = C.simd_level()
+    C.set_simd_level(request.param)
+    yield request.param
+    C.set_simd_level(before)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", [Op.SUM, Op.PRODUCT, Op.MIN, Op.MAX])
 @pytest.mark.parametrize("n_inputs", [1, 2, 5])
-def test_reduce_n_matches_torch(dtype, op, n_inputs):
+def test_reduce_n_matches_torch(simd, dtype, op, n_inputs):
     numel = 3000  # spans several 1024-element blocks plus a tail
     inputs = [make_input(k + 1, k, numel, dtype, op.name) for k in range(n_inputs)]
     # Reference: left fold in list order, in float32 for 16-bit floats (one rounding).
@@ -36,7 +45,13 @@ def test_reduce_n_output_may_alias_any_input():
     assert torch.equal(ys[2], torch.arange(50) + 2)
 
 
-def test_reduce_n_nan_propagates_in_min_max():
+def test_simd_levels_known():
+    assert C.simd_levels()[0] == "scalar" and C.simd_level() in C.simd_levels()
+    with pytest.raises(RuntimeError, match="unknown SIMD level"):
+        C.set_simd_level("sse9")
+
+
+def test_reduce_n_nan_propagates_in_min_max(simd):
     a = torch.tensor([1.0, float("nan"), 3.0])
     b = torch.tensor([float("nan"), 2.0, 0.0])
     for op, want in [(Op.MIN, [float("nan"), float("nan"), 0.0]), (Op.MAX, [float("nan"), float("nan"), 3.0])]:

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -57,10 +58,18 @@ struct alignas(64) CallInfo {
   int32_t mode;
 };
 
+// Set by a rank that gave up on a peer, so ranks waiting on *it* fail at once instead
+// of at their own deadline: (lost global rank + 1) | kAbortDead when that peer died.
+constexpr uint64_t kAbortDead = 1ull << 40;
+struct alignas(64) AbortLine {
+  std::atomic<uint64_t> lost;
+};
+
 struct Layout {
   Header header;
   SeqLine seq;
   WakeLine wake;
+  AbortLine abort;
   CallInfo info[2];
 };
 static_assert(sizeof(Layout) <= kDataOffset, "control block must fit before the data");
@@ -87,6 +96,24 @@ int64_t now_ms() {
 int env_int(const char* name, int dflt) {
   const char* v = std::getenv(name);
   return v ? std::atoi(v) : dflt;
+}
+
+// A peer that exited may linger as a zombie until its parent reaps it; kill(pid, 0)
+// still succeeds then, so look at its state too.
+bool process_alive(int64_t pid) {
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (!f) return true;  // no /proc: trust kill()
+  char buf[512];
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* close_paren = std::strrchr(buf, ')');
+  if (!close_paren || close_paren[1] == 0) return true;
+  const char state = close_paren[2];
+  return state != 'Z' && state != 'X';
 }
 
 std::string errno_text(const std::string& what) {
@@ -159,6 +186,7 @@ ShmComm::ShmComm(const std::string& token_hex, int64_t rank, int64_t world, int6
   l->seq.seq.store(0);
   l->wake.word.store(0);
   l->wake.waiters.store(0);
+  l->abort.lost.store(0);
   std::memset(l->info, 0, sizeof(l->info));
   Header& h = l->header;
   h.version = kVersion;
@@ -254,12 +282,26 @@ void ShmComm::publish(uint64_t value) {
 void ShmComm::fail_wait(int peer, uint64_t target, const char* why) {
   const Layout* l = segs_[peer]->ctl();
   const int64_t pid = l->header.pid;
-  const bool alive = !(kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH);
+  const bool alive = process_alive(pid);
   const uint64_t seen = l->seq.seq.load();
   std::ostringstream msg;
   msg << "commlab shm: rank " << global_ranks_[rank_] << " waited for rank " << global_ranks_[peer] << " (pid " << pid
       << ", " << (alive ? "alive" : "dead") << "): " << why << "; it reached call " << (seen >> 2) << " phase "
       << (seen & 3) << ", this rank needs call " << (target >> 2) << " phase " << (target & 3);
+  const uint64_t peer_abort = l->abort.lost.load();
+  if (peer_abort != 0) {
+    msg << "; rank " << global_ranks_[peer] << " had given up after losing rank " << ((peer_abort & (kAbortDead - 1)) - 1)
+        << ((peer_abort & kAbortDead) ? " (dead)" : " (timed out)");
+  }
+  // Tell whoever waits on us, then fail.
+  Layout* own = segs_[rank_]->ctl();
+  uint64_t mark = static_cast<uint64_t>(global_ranks_[peer]) + 1;
+  if (peer_abort != 0) mark = peer_abort;  // pass the original loss along
+  else if (!alive) mark |= kAbortDead;
+  uint64_t expected = 0;
+  own->abort.lost.compare_exchange_strong(expected, mark);
+  own->wake.word.fetch_add(1, std::memory_order_seq_cst);
+  futex(&own->wake.word, FUTEX_WAKE, INT_MAX, nullptr);
   throw std::runtime_error(msg.str());
 }
 
@@ -303,8 +345,8 @@ void ShmComm::wait_for(int peer, uint64_t target) {
     futex(&l->wake.word, FUTEX_WAIT, word, &ts);
     l->wake.waiters.fetch_sub(1, std::memory_order_seq_cst);
     if (seq.load(std::memory_order_acquire) >= target) return;
-    const int64_t pid = l->header.pid;
-    if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) fail_wait(peer, target, "peer process died");
+    if (l->abort.lost.load(std::memory_order_acquire) != 0) fail_wait(peer, target, "peer aborted the collective");
+    if (!process_alive(l->header.pid)) fail_wait(peer, target, "peer process died");
   }
 }
 

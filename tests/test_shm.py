@@ -1,0 +1,205 @@
+"""Shared-memory specifics beyond the registry sweep: pieces, concurrent groups,
+threads, leaks, /dev/shm hygiene, refusals and dead peers."""
+import os
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import commlab
+import commlab.shm
+
+SHM_ALGORITHMS = ["shm", "shm_ps"]
+
+
+def _leftovers():
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("commlab-"))
+
+
+def big_tensors(rank, p, algorithm):
+    out = []
+    # 1 MiB against the tests' 16 KiB buffers: 64 pieces, alternating parity.
+    for dtype, n in ((torch.float32, 1 << 18), (torch.bfloat16, 100_003), (torch.int64, 70_001)):
+        x = (torch.arange(n, dtype=torch.int64) % 13 + rank).to(dtype)
+        commlab.all_reduce(x, algorithm=algorithm)
+        want = (p * (torch.arange(n, dtype=torch.int64) % 13) + sum(range(p))).to(dtype)
+        if not torch.equal(x, want):
+            out.append(f"{dtype} n={n}: {(x != want).sum()} wrong")
+    out.append(("leftovers", _leftovers()))
+    return out
+
+
+@pytest.mark.parametrize("algorithm", SHM_ALGORITHMS)
+def test_tensors_larger_than_the_buffers(ranks, algorithm):
+    for res in ranks.run(4, big_tensors, algorithm):
+        assert res[-1] == ("leftovers", []), res[-1]
+        assert not res[:-1], res
+
+
+def two_groups(rank, p):
+    other = dist.new_group(list(range(p)))  # same ranks, a second communicator
+    pair = dist.new_group([0, 1])
+    out = []
+    xs = [torch.full((5000,), float(rank + k)) for k in range(6)]
+    works = []
+    for k, x in enumerate(xs):
+        g = None if k % 2 == 0 else other
+        works.append(commlab.all_reduce(x, group=g, algorithm="shm", async_op=True))
+    if rank < 2:
+        y = torch.full((777,), float(rank + 1))
+        commlab.all_reduce(y, group=pair, algorithm="shm")
+        if not torch.equal(y, torch.full((777,), 3.0)):
+            out.append("pair group wrong")
+    for k, (w, x) in enumerate(zip(works, xs)):
+        w.wait()
+        want = float(sum(r + k for r in range(p)))
+        if not torch.equal(x, torch.full_like(x, want)):
+            out.append(f"tensor {k} wrong: {x[0]} vs {want}")
+    for g in (other, pair):
+        if g != dist.GroupMember.NON_GROUP_MEMBER:
+            commlab.shm.release(g)
+            dist.destroy_process_group(g)
+    return out
+
+
+def test_two_groups_at_once(ranks):
+    for res in ranks.run(4, two_groups):
+        assert not res, res
+
+
+def from_thread(rank, p, algorithm):
+    result = {}
+
+    def body():
+        try:
+            x = torch.full((3000,), float(rank))
+            commlab.all_reduce(x, algorithm=algorithm)
+            result["x"] = x[0].item()
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            result["error"] = repr(e)
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(60)
+    return result
+
+
+@pytest.mark.parametrize("algorithm", SHM_ALGORITHMS)
+def test_called_from_another_thread(ranks, algorithm):
+    for res in ranks.run(3, from_thread, algorithm):
+        assert res == {"x": 3.0}, res
+
+
+def _fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _maps():
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def soak(rank, p, algorithm, calls):
+    sizes = [1, 100, 1000, 4096, 5000]  # one-shot, two-shot and pieces at the tests' buffers
+    bufs = [torch.zeros(n, dtype=torch.int32) for n in sizes]
+    for _ in range(50):  # warm: caches, plans, allocator
+        for b in bufs:
+            commlab.all_reduce(b, algorithm=algorithm)
+    proc = psutil.Process()
+    fds0, maps0, rss0 = _fds(), _maps(), proc.memory_info().rss
+    wrong = 0
+    for i in range(calls):
+        b = bufs[i % len(bufs)]
+        b.fill_(rank + i % 7)
+        commlab.all_reduce(b, algorithm=algorithm)
+        if int(b[0]) != p * (i % 7) + sum(range(p)) or int(b[-1]) != int(b[0]):
+            wrong += 1
+    return {"wrong": wrong, "fds": _fds() - fds0, "maps": _maps() - maps0,
+            "rss_growth": proc.memory_info().rss - rss0}
+
+
+@pytest.mark.parametrize("algorithm", SHM_ALGORITHMS)
+def test_ten_thousand_calls_without_growth(ranks, algorithm):
+    for res in ranks.run(4, soak, algorithm, 10_000, timeout=300):
+        assert res["wrong"] == 0, res
+        assert res["fds"] == 0 and res["maps"] == 0, res
+        assert res["rss_growth"] < 4 << 20, res
+
+
+def split_hosts(rank, p):
+    # Pretend ranks 0,1 and 2,3 live on two hosts: setup must refuse on every rank.
+    commlab.shm.host_id = lambda: f"node{rank // 2}/boot/mnt:1/net:{rank // 2}"
+    g = dist.new_group(list(range(p)))
+    try:
+        commlab.all_reduce(torch.ones(10), group=g, algorithm="shm")
+    except commlab.UnsupportedError as e:
+        msg = str(e)
+    else:
+        msg = "NOT RAISED"
+    x = torch.ones(10)
+    commlab.all_reduce(x, group=g, algorithm="ring")  # the group itself is fine
+    dist.destroy_process_group(g)
+    return msg, x.tolist()
+
+
+def test_refuses_a_group_spanning_hosts(ranks):
+    res = ranks.run(4, split_hosts)
+    assert all(r == res[0] for r in res), "ranks disagree"
+    msg, x = res[0]
+    assert "more than one host" in msg and "node0" in msg and "node1" in msg, msg
+    assert x == [4.0] * 10
+
+
+def refuses_gpu_tensors(rank, p):
+    try:
+        commlab.all_reduce(torch.ones(3, device="meta"), algorithm="shm")
+    except commlab.UnsupportedError as e:
+        return str(e)
+    return "NOT RAISED"
+
+
+def test_refuses_non_cpu_tensors(ranks):
+    res = ranks.run(2, refuses_gpu_tensors)
+    assert res[0] == res[1] and "not supported" in res[0]
+
+
+def dies_mid_run(rank, p, algorithm, victim):
+    x = torch.ones(1000)
+    commlab.all_reduce(x, algorithm=algorithm)  # set up and mapped by everyone
+    if rank == victim:
+        os._exit(17)
+    t0 = time.monotonic()
+    try:
+        commlab.all_reduce(x, algorithm=algorithm)
+    except commlab.CommlabError as e:
+        return {"error": str(e), "type": type(e).__name__, "seconds": time.monotonic() - t0,
+                "leftovers": _leftovers()}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("algorithm", SHM_ALGORITHMS)
+@pytest.mark.parametrize("victim", [0, 2])
+def test_dead_peer_is_named_not_waited_for(ranks, algorithm, victim):
+    pool = ranks.get(3)
+    res = pool.run_faulty(dies_mid_run, algorithm, victim, timeout=60)
+    assert res[victim][0] == "missing"
+    survivors = [r for r in range(3) if r != victim]
+    named = 0
+    for r in survivors:
+        status, payload = res[r]
+        assert status == "ok", payload
+        # shm_ps workers only wait for rank 0, so a dead worker may go unnoticed by
+        # other workers; whoever waits for the victim must name it.
+        if payload["error"] is None:
+            assert algorithm == "shm_ps" and r != 0
+            continue
+        named += 1
+        assert payload["type"] == "PeerError"
+        assert f"rank {victim}" in payload["error"] and "dead" in payload["error"], payload
+        assert payload["seconds"] < 10, payload  # noticed by liveness checks, not the 30 s timeout
+        assert payload["leftovers"] == []
+    assert named >= 1
+    assert _leftovers() == []
