@@ -95,6 +95,29 @@ def _nnls_target(A: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
+def measure_memcpy_gbps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Single-thread copy bandwidth, counting bytes read plus bytes written (best of
+    `repeats`). Small buffers measure cache, 64 MiB measures DRAM."""
+    import time
+
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best / 1e9
+
+
+def memory_floor_us(traffic_bytes: float, p: int, memcpy_gbps: float, cores: int) -> float:
+    """Time to move each rank's traffic at memcpy speed, with ranks sharing cores."""
+    return traffic_bytes * max(1.0, p / max(cores, 1)) / (memcpy_gbps * 1e3)
+
+
 def fit(points: list[tuple[str, int, float, float]], gamma_us_per_byte: float | None = None) -> dict[str, Fit]:
     """points: (algorithm, world_size, bytes, time_us). Algorithms the registry does
     not know (external anchors such as `mpi`) have no formula and are skipped. With

@@ -61,6 +61,11 @@ class Algorithm:
         is comparable with link bandwidth whatever the algorithm."""
         return 2.0 * (p - 1) / p if p > 1 else 0.0
 
+    def memory_traffic(self, p: int, nbytes: float) -> float | None:
+        """Bytes each rank must read plus write in memory, for transports bound by
+        memory bandwidth (shared memory); None for network algorithms."""
+        return None
+
     def unsupported(self, tensor: torch.Tensor, op: Op, info: GroupInfo) -> str | None:
         """Why this algorithm cannot serve the call, from facts every rank shares;
         None when it can. The API has already checked dtype, op and device type."""

@@ -20,6 +20,12 @@ class SharedMemory(Algorithm):
             return Cost(1, nbytes, (p - 1) * nbytes)
         return Cost(2, 2 * nbytes, (p - 1) / p * nbytes)
 
+    def memory_traffic(self, p, nbytes):
+        # copy in (read + write n), reduce (read p inputs, write the result), copy out.
+        if nbytes <= shm.ONESHOT_MAX:
+            return 2 * nbytes + (p + 1) * nbytes
+        return 2 * nbytes + (p + 1) / p * nbytes + 2 * nbytes
+
     def unsupported(self, tensor, op, info):
         return shm.unsupported(info)
 

@@ -16,5 +16,8 @@ class SharedMemoryRoot(SharedMemory):
     def cost(self, p, nbytes):
         return Cost(2, 2 * nbytes, (p - 1) * nbytes)
 
+    def memory_traffic(self, p, nbytes):
+        return 2 * nbytes + (p + 1) * nbytes + 2 * nbytes  # the root's: copy in, reduce all, copy out
+
 
 ALGORITHM = SharedMemoryRoot()
