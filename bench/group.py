@@ -1,8 +1,8 @@
 """A persistent local gloo group for pytest-benchmark: the pytest process is rank 0,
 helper ranks are spawned once and follow plans that rank 0 broadcasts.
 
-Each benchmark round is one collective on every rank: rank 0 broadcasts
-(algorithm, bytes, calls) and then all ranks make exactly `calls` calls in lock-step,
+Each benchmark round is one collective (or one DDP training step) on every rank:
+rank 0 broadcasts a plan and then all ranks make exactly `calls` calls in lock-step,
 the number pytest-benchmark's pedantic mode will make on rank 0.
 """
 from __future__ import annotations
@@ -16,6 +16,12 @@ import torch
 import torch.distributed as dist
 
 STOP = -1
+ALLREDUCE, DDP_STEP = 0, 1
+# How a DDP step communicates: DDP's own allreduce, commlab's overlapped hook, the same
+# reduction blocking inside the hook, or no communication at all.
+HOOKS = ["ddp", "async", "blocking", "noop"]
+MODEL = {"width": 1024, "depth": 3, "in_features": 256}
+BATCH = 32
 
 
 def _port() -> int:
@@ -32,7 +38,7 @@ def _init(rank: int, world_size: int, port: int) -> None:
 
 
 def _plan(values=None) -> list[int]:
-    t = torch.tensor(values if values is not None else [0, 0, 0], dtype=torch.int64)
+    t = torch.tensor(values if values is not None else [0, 0, 0, 0], dtype=torch.int64)
     dist.broadcast(t, src=0)
     return t.tolist()
 
@@ -43,14 +49,48 @@ def _helper(rank: int, world_size: int, port: int) -> None:
     _init(rank, world_size, port)
     names = commlab.algorithm_names()
     while True:
-        alg, nbytes, calls = _plan()
-        if alg == STOP:
+        kind, a, b, calls = _plan()
+        if kind == STOP:
             dist.barrier()  # leave together (gloo aborts on half-torn connections)
             break
-        buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
-        for _ in range(calls):
-            commlab.all_reduce(buf, algorithm=names[alg])
+        if kind == ALLREDUCE:
+            buf = torch.zeros(max(b // 4, 1), dtype=torch.float32)
+            for _ in range(calls):
+                commlab.all_reduce(buf, algorithm=names[a])
+        else:
+            step, close = ddp_step(rank, HOOKS[a], names[b])
+            for _ in range(calls):
+                step()
+            close()
     dist.destroy_process_group()
+
+
+def ddp_step(rank: int, hook: str, algorithm: str):
+    """A DDP training step on the synthetic MLP; collective to build (same on all ranks)."""
+    import commlab.hooks as hooks
+    from commlab import workloads
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(workloads.mlp(**MODEL), bucket_cap_mb=4)
+    state = None
+    if hook != "ddp":
+        state = hooks.CommState(algorithm)
+        fn = {"async": hooks.allreduce_hook, "blocking": hooks.blocking_allreduce_hook, "noop": hooks.noop_hook}[hook]
+        hooks.register(model, state, fn)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = workloads.batch(model.module, BATCH, seed=rank)
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    def close():
+        if state is not None:
+            state.close()
+
+    return step, close
 
 
 class BenchGroup:
@@ -69,11 +109,16 @@ class BenchGroup:
 
     def prepare(self, algorithm: str, nbytes: int, calls: int) -> torch.Tensor:
         """Tell the helpers what comes next; returns rank 0's buffer."""
-        _plan([self.names.index(algorithm), nbytes, calls])
+        _plan([ALLREDUCE, self.names.index(algorithm), nbytes, calls])
         return torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
 
+    def prepare_ddp(self, hook: str, algorithm: str, calls: int):
+        """(step, close) for rank 0; the helpers run the same `calls` steps."""
+        _plan([DDP_STEP, HOOKS.index(hook), self.names.index(algorithm), calls])
+        return ddp_step(0, hook, algorithm)
+
     def close(self) -> None:
-        _plan([STOP, 0, 0])
+        _plan([STOP, 0, 0, 0])
         dist.barrier()
         dist.destroy_process_group()
         for p in self.procs:
