@@ -1,0 +1,117 @@
+"""commlab.advise (the seed's decision tree) and commlab.doctor (its troubleshooting
+section): every rule, every check's verdicts, and the in-job data/gradient checks."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from commlab import advise, doctor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("kwargs,verdict,rule", [
+    ({"gpus": 8, "nodes": 2}, "DDP required", "nodes > 1"),
+    ({"gpus": 4}, "DDP strongly recommended", "GPUs per node >= 4"),
+    ({"gpus": 2, "model_mem_frac": 0.6}, "DDP required", "model memory > 50% of a card"),
+    ({"gpus": 2, "amp": True}, "DDP recommended", "mixed precision"),
+    ({"gpus": 3, "batch_size": 96, "iter_ms": 60}, "DP acceptable", "small experiment"),
+    ({"gpus": 2, "batch_size": 128}, "DDP recommended", "outside the small-experiment case"),
+    ({"gpus": 2, "iter_ms": 150}, "DDP recommended", "outside the small-experiment case"),
+    ({"gpus": 2, "custom_cpp": True}, "DDP recommended", "outside the small-experiment case"),
+])
+def test_decision_tree(kwargs, verdict, rule):
+    got, findings = advise.decide(**kwargs)
+    assert got == verdict
+    assert rule in [f.rule for f in findings]
+    assert all(f.reason for f in findings)
+
+
+def test_every_firing_rule_is_reported():
+    verdict, findings = advise.decide(gpus=4, nodes=2, model_mem_frac=0.7, amp=True)
+    assert verdict == "DDP required"
+    assert {f.rule for f in findings} == {"nodes > 1", "GPUs per node >= 4", "model memory > 50% of a card",
+                                          "mixed precision"}
+
+
+def test_advise_from_measurements(tmp_path):
+    doc = {"env": {}, "modes": [
+        {"mode": "dp", "status": "ok", "iter_ms": {"median": 152.0, "p90": 160.0}, "peak_memory_mb": [19200, 14100]},
+        {"mode": "ddp", "status": "ok", "iter_ms": {"median": 89.0, "p90": 95.0}, "peak_memory_mb": [14700, 14700]},
+        {"mode": "ddp:ps", "status": "oom", "reason": "CUDA out of memory"},
+    ]}
+    lines = advise.from_compare(doc)
+    assert any("DDP is 1.71x DP's speed -> DDP" in line for line in lines), lines
+    assert any("ddp:ps: oom" in line for line in lines)
+    assert any("+4500 MB" in line for line in lines)
+    src = tmp_path / "c.json"
+    src.write_text(json.dumps(doc))
+    proc = subprocess.run([sys.executable, "-m", "commlab.advise", "--from", str(src), "--gpus", "4"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "fastest: ddp" in proc.stdout and "DDP strongly recommended" in proc.stdout
+
+
+def test_doctor_cli_smoke_tests_every_algorithm():
+    import commlab
+
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    env.pop("MASTER_ADDR", None)
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run([sys.executable, "-m", "commlab.doctor", "--world-size", "2", "--timeout", "20"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in commlab.algorithms.for_device("cpu"):
+        assert f"[PASS] all-reduce {name}: 2 local ranks correct" in proc.stdout, proc.stdout
+    assert "[PASS] /dev/shm" in proc.stdout or "[WARN] /dev/shm" in proc.stdout
+
+
+def test_rendezvous_checks(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert doctor.check_rendezvous()[0].status == doctor.FAIL
+    from commlab.launch import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.delenv("RANK", raising=False)
+    checks = doctor.check_rendezvous()
+    assert [c.status for c in checks] == [doctor.PASS, doctor.PASS] and "free" in checks[1].detail
+    monkeypatch.setenv("MASTER_PORT", "http")
+    assert doctor.check_rendezvous()[-1].status == doctor.FAIL
+
+
+def data_checks(rank, p):
+    ds = TensorDataset(torch.arange(64, dtype=torch.float32).reshape(32, 2))
+    plain = doctor.check_data(DataLoader(ds, batch_size=4))
+    sampler = DistributedSampler(ds, shuffle=True, seed=0)
+    sharded = doctor.check_data(DataLoader(ds, batch_size=4, sampler=sampler), epochs=2)
+    return plain.status, plain.detail, sharded.status, sharded.fix
+
+
+def test_check_data_flags_identical_batches_and_missing_set_epoch(ranks):
+    for plain_status, plain_detail, sharded_status, sharded_fix in ranks.run(2, data_checks):
+        assert plain_status == doctor.WARN and "same first batch" in plain_detail
+        # Sharded but set_epoch() never called: epoch 2 repeats epoch 1's order.
+        assert sharded_status == doctor.WARN and "set_epoch" in sharded_fix
+
+
+def grad_checks(rank, p):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model(torch.ones(2, 4)).sum().backward()
+    clean = doctor.check_grads(model)
+    if rank == 1:
+        model[1].weight.grad[0, 0] = float("nan")
+    dirty = doctor.check_grads(model)
+    return clean.status, dirty.status, dirty.detail
+
+
+def test_check_grads_names_rank_and_parameter(ranks):
+    for clean, dirty, detail in ranks.run(3, grad_checks):
+        assert clean == doctor.PASS
+        assert dirty == doctor.FAIL and detail == "non-finite gradients on rank 1: 1.weight"
