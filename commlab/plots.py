@@ -35,3 +35,23 @@ def plot_bench(doc: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_compare(doc: dict, path: str) -> None:
+    plt = _pyplot()
+    ok = [m for m in doc["modes"] if m["status"] == "ok"]
+    names = [m["mode"] for m in ok]
+    panels = [("iteration median (ms)", [m["iter_ms"]["median"] for m in ok]),
+              ("peak memory, busiest (MB)", [max(m["peak_memory_mb"]) for m in ok]),
+              ("grad sync exposed (ms)", [m["grad_sync_ms"]["exposed"] or 0.0 for m in ok])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4))
+    for ax, (title, vals) in zip(axes, panels):
+        ax.bar(names, vals)
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(axis="x", rotation=45, labelsize=8)
+    env = doc["env"]
+    fig.suptitle(f"{env.get('model')} on {env['world_size']}x {env['device']}, global batch {env.get('batch_size')}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

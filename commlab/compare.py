@@ -1,0 +1,489 @@
+"""DP vs DDP, measured: the seed article's table, every mode in fresh processes.
+
+    python -m commlab.compare --device cpu --world-size 4            # CPU default (~2 minutes here)
+    python -m commlab.compare --device cuda --gpus 4 --model resnet50 --batch-size 256
+    python -m commlab.compare --modes dp,ddp,ddp:ring,ddp:noop --json c.json --plot c.png
+
+Modes: `dp` (nn.DataParallel, one process, GPUs only), `ddp` (DDP's own allreduce),
+`ddp:<algorithm>` (DDP through commlab's hook for that algorithm), `ddp:noop` (no
+communication: the compute-only floor). Every mode trains the same model from the
+same seed on the same synthetic data.
+
+Metric definitions (printed with the table):
+  iteration    wall time of one optimizer step (incl. accumulation micro-steps) of the
+               slowest rank; median and p90 after warm-up
+  throughput   global batch / median iteration
+  peak memory  CPU: peak RSS per rank; GPU: max_memory_allocated per device after warm-up
+  utilization  CPU: process CPU time / wall time per rank (100 % = one core)
+  grad sync    DDP: from the hook statistics, per iteration: total = sum of bucket
+               all-reduce times, exposed = end of backward compute to the last bucket's
+               completion (the part that is not hidden behind backward)
+  final loss   mean over ranks of the last step's loss
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from . import algorithms
+
+DEFINITIONS = __doc__.split("Metric definitions (printed with the table):\n", 1)[1]
+
+
+def default_modes(device: str) -> list[str]:
+    wanted = ["dp", "ddp", "ddp:ring", "ddp:ps", "ddp:shm", "ddp:noop"]
+    return [m for m in wanted if not m.startswith("ddp:") or m == "ddp:noop" or m[4:] in algorithms.for_device(device)]
+
+
+def all_modes(device: str) -> list[str]:
+    return ["dp", "ddp"] + [f"ddp:{a}" for a in algorithms.for_device(device)] + ["ddp:noop"]
+
+
+# -- one DDP rank ---------------------------------------------------------------------------------
+def _timing_hook(state, bucket):
+    """DDP's own default reduction (divide, dist.all_reduce), timed like commlab's hooks."""
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    t0 = time.perf_counter()
+    it = state.begin(bucket, t0)
+    buf.div_(dist.get_world_size())
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+
+    def done(f):
+        state.end(it, t0, time.perf_counter())
+        return f.value()[0]
+
+    return fut.then(done)
+
+
+class _NativeStats:
+    """Statistics for the `ddp` mode shaped like commlab.hooks.CommState.stats()."""
+
+    def __init__(self):
+        self.reset_stats()
+
+    def reset_stats(self):
+        self.iters, self.cur = [], None
+
+    def begin(self, bucket, t0):
+        if self.cur is None:
+            self.cur = {"comm": 0.0, "pending": 0, "end": None, "last": None}
+        it = self.cur
+        it["pending"] += 1
+        if bucket.is_last():
+            it["end"] = t0
+            self.cur = None
+        return it
+
+    def end(self, it, t0, t1):
+        it["comm"] += t1 - t0
+        it["pending"] -= 1
+        if it["pending"] == 0 and it["end"] is not None:
+            it["last"] = t1
+            self.iters.append(it)
+
+    def stats(self):
+        done = [i for i in self.iters if i["last"] is not None]
+        n = len(done) or 1
+        return {"mean_total_comm_ms": sum(i["comm"] for i in done) / n * 1e3,
+                "mean_exposed_ms": sum(max(0.0, i["last"] - i["end"]) for i in done) / n * 1e3}
+
+
+def _ddp_rank(rank: int, world: int, port: int, mode: str, args: dict, q) -> None:
+    try:
+        q.put((rank, "ok", _ddp_body(rank, world, port, mode, args)))
+    except torch.OutOfMemoryError as e:
+        q.put((rank, "oom", str(e).splitlines()[0]))
+    except BaseException:  # noqa: BLE001 - reported in the table
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def _ddp_body(rank, world, port, mode, args):
+    import datetime
+
+    import psutil
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from . import hooks, workloads
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(args["threads"])
+    cuda = args["device"] == "cuda"
+    device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    backend = "nccl" if cuda and not args["share_gpu"] else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args["timeout"]))
+    torch.manual_seed(0)
+    wl = workloads.build(args["model"], width=args["width"], depth=args["depth"])
+    model = wl.model.to(device)
+    if args["checkpoint"]:
+        # Inside the module DDP wraps: calling the inner module directly would bypass
+        # DDP's forward, and with it the gradient synchronisation.
+        model = workloads.Checkpointed(model)
+    ddp = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=args["bucket_cap_mb"])
+    if mode == "ddp":
+        state = _NativeStats()
+        ddp.register_comm_hook(state, _timing_hook)
+    elif mode == "ddp:noop":
+        state = None
+        ddp.register_comm_hook(None, hooks.noop_hook)
+    else:
+        state = hooks.CommState(mode.split(":", 1)[1])
+        hooks.register(ddp, state)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args["lr"])
+    per_rank = max(args["batch_size"] // world, 1)
+    accum = args["accum_steps"]
+    micro = max(per_rank // accum, 1)
+    scaler = torch.amp.GradScaler(device.type) if args["amp"] == "fp16" else None
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args["amp"])
+    proc = psutil.Process()
+
+    def forward_loss(x, y):
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            return wl.loss(ddp(x).float(), y)
+
+    def step(i):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for k in range(accum):
+            x, y = wl.make_batch(micro, seed=(i * accum + k) * 1000 + rank)
+            x, y = x.to(device), y.to(device)
+            ctx = ddp.no_sync() if k < accum - 1 else _nullcontext()
+            with ctx:
+                loss = forward_loss(x, y) / accum
+                (scaler.scale(loss) if scaler else loss).backward()
+            total += float(loss)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        return total
+
+    for i in range(args["warmup"]):
+        step(i)
+    if state is not None:
+        state.reset_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    times, peak_rss = [], proc.memory_info().rss
+    cpu0, wall0 = sum(proc.cpu_times()[:2]), time.perf_counter()
+    loss = 0.0
+    for i in range(args["warmup"], args["warmup"] + args["iters"]):
+        t0 = time.perf_counter()
+        loss = step(i)
+        times.append(time.perf_counter() - t0)
+        peak_rss = max(peak_rss, proc.memory_info().rss)
+    util = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - wall0) * 100
+    slowest = torch.tensor(times, dtype=torch.float64)
+    mean_loss = torch.tensor([loss], dtype=torch.float64)
+    if cuda and backend == "nccl":
+        slowest, mean_loss = slowest.to(device), mean_loss.to(device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(mean_loss)
+    st = state.stats() if state is not None else {"mean_total_comm_ms": 0.0, "mean_exposed_ms": 0.0}
+    mem = (torch.cuda.max_memory_allocated(device) if cuda else peak_rss) / 2**20
+    if isinstance(state, hooks.CommState):
+        state.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"times": slowest.cpu().tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": mem,
+            "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"]}
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _free_port() -> int:
+    from .launch import free_port
+
+    return free_port()
+
+
+def run_ddp_mode(mode: str, world: int, args: dict) -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_ddp_rank, args=(r, world, port, mode, args, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    got, deadline = {}, time.monotonic() + args["mode_timeout"]
+    while len(got) < world and time.monotonic() < deadline:
+        try:
+            rank, status, payload = q.get(timeout=0.5)
+            got[rank] = (status, payload)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs) and q.empty():
+                break
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+    bad = {r: v for r, v in got.items() if v[0] != "ok"}
+    if len(got) < world or bad:
+        status = "oom" if any(v[0] == "oom" for v in bad.values()) else "error"
+        missing = [r for r in range(world) if r not in got]
+        reason = (f"ranks {missing} did not finish within {args['mode_timeout']:.0f}s; " if missing else "") + \
+            "; ".join(f"rank {r}: {v[1].strip().splitlines()[-1]}" for r, v in sorted(bad.items()))
+        return {"mode": mode, "status": status, "reason": reason}
+    res = [got[r][1] for r in range(world)]
+    times = sorted(res[0]["times"])
+    median = statistics.median(times) * 1e3
+    p90 = times[min(len(times) - 1, int(round(0.9 * (len(times) - 1))))] * 1e3
+    return {
+        "mode": mode, "status": "ok", "reason": "",
+        "iter_ms": {"median": median, "p90": p90},
+        "samples_per_s": args["batch_size"] / (median / 1e3),
+        "peak_memory_mb": [r["memory_mb"] for r in res],
+        "util_percent": [r["util"] for r in res],
+        "grad_sync_ms": {"total": max(r["sync_total"] for r in res), "exposed": max(r["sync_exposed"] for r in res)},
+        "final_loss": res[0]["loss"],
+    }
+
+
+def run_dp_mode(args: dict) -> dict:
+    if args["device"] != "cuda" or not torch.cuda.is_available():
+        return {"mode": "dp", "status": "unavailable",
+                "reason": "nn.DataParallel replicates a module across CUDA devices inside one process; no CUDA device here"}
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_dp_proc, args=(args, q), daemon=True)
+    p.start()
+    try:
+        status, payload = q.get(timeout=args["mode_timeout"])
+    except queue.Empty:
+        status, payload = "error", f"did not finish within {args['mode_timeout']:.0f}s"
+    p.join(5)
+    if p.is_alive():
+        p.kill()
+    if status != "ok":
+        return {"mode": "dp", "status": status, "reason": payload.strip().splitlines()[-1] if payload else ""}
+    return payload
+
+
+def _dp_proc(args, q):
+    try:
+        q.put(("ok", _dp_body(args)))
+    except torch.OutOfMemoryError as e:
+        q.put(("oom", str(e).splitlines()[0]))
+    except BaseException:  # noqa: BLE001
+        q.put(("error", traceback.format_exc()))
+
+
+def _dp_body(args):
+    from . import workloads
+
+    gpus = args["gpus"] or torch.cuda.device_count()
+    devices = list(range(gpus))
+    torch.manual_seed(0)
+    wl = workloads.build(args["model"], width=args["width"], depth=args["depth"])
+    inner = workloads.Checkpointed(wl.model) if args["checkpoint"] else wl.model
+    model = torch.nn.DataParallel(inner.cuda(0), device_ids=devices)
+    opt = torch.optim.SGD(model.parameters(), lr=args["lr"])
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args["amp"])
+    scaler = torch.amp.GradScaler("cuda") if args["amp"] == "fp16" else None
+    sampler = _NvmlSampler(devices)
+
+    def step(i):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for k in range(args["accum_steps"]):
+            # The same global data as the DDP ranks see, concatenated in rank order.
+            parts = [wl.make_batch(max(args["batch_size"] // gpus // args["accum_steps"], 1),
+                                   seed=(i * args["accum_steps"] + k) * 1000 + r) for r in range(gpus)]
+            x = torch.cat([a for a, _ in parts]).cuda(0)
+            y = torch.cat([b for _, b in parts]).cuda(0)
+            with torch.autocast("cuda", dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = wl.loss(model(x).float(), y) / args["accum_steps"]
+            (scaler.scale(loss) if scaler else loss).backward()
+            total += float(loss)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        torch.cuda.synchronize()
+        return total
+
+    for i in range(args["warmup"]):
+        step(i)
+    for d in devices:
+        torch.cuda.reset_peak_memory_stats(d)
+    sampler.start()
+    times, loss = [], 0.0
+    for i in range(args["warmup"], args["warmup"] + args["iters"]):
+        t0 = time.perf_counter()
+        loss = step(i)
+        times.append(time.perf_counter() - t0)
+    util = sampler.stop()
+    times.sort()
+    median = statistics.median(times) * 1e3
+    return {
+        "mode": "dp", "status": "ok", "reason": "",
+        "iter_ms": {"median": median, "p90": times[int(round(0.9 * (len(times) - 1)))] * 1e3},
+        "samples_per_s": args["batch_size"] / (median / 1e3),
+        "peak_memory_mb": [torch.cuda.max_memory_allocated(d) / 2**20 for d in devices],
+        "util_percent": util,
+        # DataParallel's scatter/replicate/gather/reduce-add run inside forward and
+        # backward on the caller's streams; not separated yet.
+        "grad_sync_ms": {"total": None, "exposed": None},
+        "final_loss": loss,
+    }
+
+
+class _NvmlSampler:
+    """GPU utilization sampled at 20 Hz through nvidia-ml-py (empty list without it)."""
+
+    def __init__(self, devices):
+        self.devices, self.samples, self._stop = devices, {d: [] for d in devices}, None
+
+    def start(self):
+        import threading
+
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(d) for d in self.devices]
+        except Exception:  # noqa: BLE001 - optional dependency
+            return
+        self._stop = threading.Event()
+
+        def loop():
+            while not self._stop.is_set():
+                for d, h in zip(self.devices, handles):
+                    self.samples[d].append(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+                time.sleep(0.05)
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def stop(self):
+        if self._stop is None:
+            return []
+        self._stop.set()
+        self._thread.join(1)
+        return [statistics.mean(self.samples[d]) if self.samples[d] else 0.0 for d in self.devices]
+
+
+# -- report --------------------------------------------------------------------------------------
+def _fmt_list(vals, fmt="{:.0f}"):
+    if not vals:
+        return "-"
+    if len(set(round(v) for v in vals)) == 1:
+        return fmt.format(vals[0]) + f" (x{len(vals)})"
+    return "/".join(fmt.format(v) for v in vals)
+
+
+def table(doc: dict) -> str:
+    modes = doc["modes"]
+    ok = [m for m in modes if m["status"] == "ok"]
+    base = next((m for m in ok if m["mode"] == "dp"), next((m for m in ok if m["mode"] == "ddp"), None))
+    cols = [m["mode"] for m in modes]
+    rows = []
+
+    def row(name, f):
+        cells = []
+        for m in modes:
+            cells.append(f(m) if m["status"] == "ok" else m["status"])
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+
+    row("iteration median (ms)", lambda m: f"{m['iter_ms']['median']:.1f}")
+    row("iteration p90 (ms)", lambda m: f"{m['iter_ms']['p90']:.1f}")
+    row("throughput (samples/s)", lambda m: f"{m['samples_per_s']:.1f}")
+    if base is not None:
+        row(f"speed vs {base['mode']}", lambda m: f"{base['iter_ms']['median'] / m['iter_ms']['median']:.2f}x")
+    row("peak memory (MB) per rank/device", lambda m: _fmt_list(m["peak_memory_mb"]))
+    row("utilization (%) per rank/device", lambda m: _fmt_list(m["util_percent"]))
+    row("grad sync total (ms)", lambda m: "-" if m["grad_sync_ms"]["total"] is None else f"{m['grad_sync_ms']['total']:.1f}")
+    row("grad sync exposed (ms)", lambda m: "-" if m["grad_sync_ms"]["exposed"] is None else f"{m['grad_sync_ms']['exposed']:.1f}")
+    row("final loss", lambda m: f"{m['final_loss']:.5f}")
+    head = "| metric | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols)
+    notes = [f"- {m['mode']}: {m['status']}: {m['reason']}" for m in modes if m["status"] != "ok"]
+    return "\n".join([head] + rows + ([""] + notes if notes else []))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m commlab.compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--world-size", type=int, default=None, help="DDP ranks (default: 4 on CPU, every GPU on CUDA)")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs for dp and ddp (default: all)")
+    ap.add_argument("--modes", default=None, help="comma list, or all (default: dp, ddp, ddp:ring, ddp:ps, ddp:shm, ddp:noop)")
+    ap.add_argument("--model", default=None, help="mlp | transformer | any torchvision model (default: mlp on CPU, resnet50 on GPU)")
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=64, help="global batch")
+    ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    ap.add_argument("--amp", choices=["fp16", "bf16"], default=None)
+    ap.add_argument("--checkpoint", action="store_true", help="gradient checkpointing (activations recomputed in backward)")
+    ap.add_argument("--accum-steps", type=int, default=1, help="gradient accumulation with no_sync()")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--timeout", type=float, default=120.0, help="process-group timeout (s)")
+    ap.add_argument("--mode-timeout", type=float, default=300.0, help="wall-clock limit per mode (s)")
+    ap.add_argument("--share-gpu", action="store_true", help="several DDP processes on one GPU over gloo (functional check)")
+    ap.add_argument("--json"), ap.add_argument("--plot")
+    a = ap.parse_args(argv)
+    args = vars(a)
+    if a.model is None:
+        args["model"] = "resnet50" if a.device == "cuda" else "mlp"
+    world = a.world_size or (4 if a.device == "cpu" else (a.gpus or torch.cuda.device_count()))
+    modes = all_modes(a.device) if a.modes == "all" else (a.modes.split(",") if a.modes else default_modes(a.device))
+    from . import envinfo
+
+    env = envinfo.collect(torch.device("cpu"))
+    env.update(world_size=world, device=a.device, model=args["model"], batch_size=a.batch_size,
+               bucket_cap_mb=a.bucket_cap_mb, amp=a.amp, checkpoint=a.checkpoint, accum_steps=a.accum_steps,
+               share_gpu=a.share_gpu)
+    if a.share_gpu:
+        env["note"] = "--share-gpu: all DDP ranks on one GPU over gloo, a functional check, not a speed figure"
+    results = []
+    for mode in modes:
+        print(f"# running {mode} ...", file=sys.stderr, flush=True)
+        if mode == "dp":
+            results.append(run_dp_mode(args))
+        elif mode == "ddp" or mode == "ddp:noop" or (mode.startswith("ddp:") and mode[4:] in algorithms.for_device(a.device)):
+            results.append(run_ddp_mode(mode, world, args))
+        else:
+            results.append({"mode": mode, "status": "unavailable",
+                            "reason": f"no such mode for {a.device} (modes: {', '.join(all_modes(a.device))})"})
+    doc = {"env": env, "modes": results}
+    print("\n".join(envinfo.header_lines(env)))
+    print()
+    print(table(doc))
+    print("\nDefinitions:\n" + DEFINITIONS.rstrip())
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=2)
+    if a.plot:
+        from .plots import plot_compare
+
+        plot_compare(doc, a.plot)
+    return 0 if any(m["status"] == "ok" for m in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
