@@ -1,12 +1,14 @@
 """commlab.all_reduce: torch.distributed.all_reduce's contract over any registered algorithm."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from . import algorithms, groups, lanes
 from .algorithms.base import Context
-from .errors import UnsupportedError
+from .errors import CollectiveMismatchError, UnsupportedError
 from .p2p import P2P
 from .reduction import SUPPORTED_DTYPES, Op, finish_average_, parse_op
 
@@ -48,11 +50,14 @@ class _Plan:
         self.info = info
         self.ctx = Context(info=info, p2p=P2P(info, alg.name))
         self.lane = lanes.lane(info.group)
+        self.check = checking_enabled()
 
     def live(self) -> bool:
         return self.info.group in dist.distributed_c10d._world.pg_map
 
     def execute(self, tensor: torch.Tensor) -> None:
+        if self.check and self.info.size > 1:
+            _check_match(self, tensor)
         if self.info.size == 1 or tensor.numel() == 0:
             return
         # Algorithms work on one flat contiguous buffer; a strided caller's view gets
@@ -66,6 +71,23 @@ class _Plan:
             finish_average_(buf, self.info.size)
         if not direct:
             tensor.copy_(buf.view(tensor.shape))
+
+
+def checking_enabled() -> bool:
+    """COMMLAB_CHECK=1, or torch's own TORCH_DISTRIBUTED_DEBUG=DETAIL."""
+    return os.environ.get("COMMLAB_CHECK", "0") not in ("", "0") or \
+        os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+
+
+def _check_match(plan: _Plan, tensor: torch.Tensor) -> None:
+    """Every rank shows what it passed; any difference raises the same error everywhere."""
+    mine = (tensor.numel(), str(tensor.dtype).replace("torch.", ""), plan.reduce_op.name, plan.alg.name)
+    seen = [None] * plan.info.size
+    dist.all_gather_object(seen, mine, group=plan.info.group)
+    if any(s != seen[0] for s in seen):
+        detail = "; ".join(f"rank {plan.info.global_rank(r)}: numel={s[0]} dtype={s[1]} op={s[2]} algorithm={s[3]}"
+                           for r, s in enumerate(seen))
+        raise CollectiveMismatchError(f"commlab: ranks called all_reduce differently: {detail}")
 
 
 _plans: dict[tuple, _Plan] = {}

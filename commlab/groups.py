@@ -49,7 +49,9 @@ def _lookup(g) -> GroupInfo:
         size = dist.get_world_size(g)
         ranks = tuple(dist.get_process_group_ranks(g))
     except (RuntimeError, ValueError) as e:  # destroyed or foreign group
-        raise CommlabError(f"commlab: invalid process group ({e})") from e
+        # No repr of the group in the message: it must read the same on every rank.
+        raise CommlabError("commlab: the process group is not registered (destroyed, or not created "
+                           "with torch.distributed.new_group)") from e
     return GroupInfo(group=g, rank=rank, size=size, global_ranks=ranks, timeout=timeout_of(g))
 
 

@@ -158,8 +158,9 @@ ShmComm::ShmComm(const std::string& token_hex, int64_t rank, int64_t world, int6
   own->size = static_cast<size_t>(kDataOffset + 2 * capacity_);
   int fd = shm_open(own->name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {
+    const std::string msg = errno_text("commlab shm: cannot create " + own->name);
     delete own;
-    throw std::runtime_error(errno_text("commlab shm: cannot create " + std::string(own->name)));
+    throw std::runtime_error(msg);
   }
   // Reserve the pages now: a full /dev/shm fails here with a message, not with SIGBUS
   // in the middle of a collective.
@@ -178,9 +179,10 @@ ShmComm::ShmComm(const std::string& token_hex, int64_t rank, int64_t world, int6
   own->base = mmap(nullptr, own->size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   ::close(fd);
   if (own->base == MAP_FAILED) {
+    const std::string msg = errno_text("commlab shm: mmap of own segment failed");
     shm_unlink(own->name.c_str());
     delete own;
-    throw std::runtime_error(errno_text("commlab shm: mmap of own segment failed"));
+    throw std::runtime_error(msg);
   }
   Layout* l = own->ctl();
   l->seq.seq.store(0);

@@ -1,0 +1,188 @@
+"""Faults and bad input: mismatched calls, dead peers, destroyed groups, forged or
+squatted shared-memory segments. Every failure is an error on every rank, never a hang."""
+import os
+import secrets
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commlab
+from commlab import _ext
+from ranks import RankPool
+
+PURE = [a for a in commlab.algorithm_names() if not a.startswith("shm")]
+
+
+def mismatches(rank, p):
+    os.environ["COMMLAB_CHECK"] = "1"
+    out = {}
+    cases = {
+        "numel": lambda g: commlab.all_reduce(torch.ones(10 + rank), group=g),
+        "dtype": lambda g: commlab.all_reduce(torch.ones(10, dtype=torch.float32 if rank else torch.float64), group=g),
+        "op": lambda g: commlab.all_reduce(torch.ones(10), op=dist.ReduceOp.MAX if rank else dist.ReduceOp.SUM, group=g),
+        "algorithm": lambda g: commlab.all_reduce(torch.ones(10), group=g, algorithm="rd" if rank else "ring"),
+    }
+    for name, call in cases.items():
+        g = dist.new_group(list(range(p)))  # a fresh group: its plans are built with checking on
+        try:
+            call(g)
+            out[name] = "NOT RAISED"
+        except commlab.CollectiveMismatchError as e:
+            out[name] = str(e)
+        x = torch.ones(4)
+        commlab.all_reduce(x, group=g)  # still usable afterwards: the check sent no data
+        out[name + " after"] = x.tolist()
+        dist.destroy_process_group(g)
+    del os.environ["COMMLAB_CHECK"]
+    return out
+
+
+def test_mismatch_checking_names_every_rank(ranks):
+    res = ranks.run(3, mismatches)
+    assert all(r == res[0] for r in res), "ranks raised different errors"
+    out = res[0]
+    assert "numel=10 " in out["numel"] and "numel=12 " in out["numel"]
+    assert "dtype=float64" in out["dtype"] and "dtype=float32" in out["dtype"]
+    assert "op=SUM" in out["op"] and "op=MAX" in out["op"]
+    assert "algorithm=ring" in out["algorithm"] and "algorithm=rd" in out["algorithm"]
+    for name in ("numel", "dtype", "op", "algorithm"):
+        assert out[name + " after"] == [3.0] * 4
+
+
+def shm_mismatch_unchecked(rank, p):
+    g = dist.new_group(list(range(p)))
+    try:
+        commlab.all_reduce(torch.ones(100 + 50 * rank), group=g, algorithm="shm")
+    except commlab.CollectiveMismatchError as e:
+        return str(e)
+    return "NOT RAISED"
+
+
+def test_shm_refuses_mismatched_sizes_without_checking(ranks):
+    for msg in ranks.run(3, shm_mismatch_unchecked):
+        assert "mismatch" in msg and "bytes" in msg, msg
+
+
+def destroyed_group(rank, p):
+    g = dist.new_group(list(range(p)))
+    dist.destroy_process_group(g)
+    try:
+        commlab.all_reduce(torch.ones(3), group=g)
+    except commlab.CommlabError as e:
+        return type(e).__name__, str(e)
+    return "NOT RAISED", ""
+
+
+def test_destroyed_group_is_refused(ranks):
+    res = ranks.run(2, destroyed_group)
+    assert res[0] == res[1] and res[0][0] == "CommlabError", res
+
+
+def peer_dies(rank, p, algorithm, victim):
+    x = torch.ones(2000)
+    commlab.all_reduce(x, algorithm=algorithm)
+    dist.barrier()
+    if rank == victim:
+        os._exit(9)
+    t0 = time.monotonic()
+    try:
+        for _ in range(3):
+            commlab.all_reduce(x, algorithm=algorithm)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return {"type": type(e).__name__, "commlab": isinstance(e, commlab.CommlabError), "msg": str(e)[:400],
+                "seconds": time.monotonic() - t0}
+    return {"type": None}
+
+
+@pytest.mark.parametrize("algorithm", PURE)
+def test_dead_peer_gives_errors_not_hangs(algorithm):
+    pool = RankPool(3, pg_timeout_s=10)
+    res = pool.run_faulty(peer_dies, algorithm, 1, timeout=60)
+    assert res[1][0] == "missing"
+    for r in (0, 2):
+        status, payload = res[r]
+        assert status == "ok", payload
+        if payload["type"] is None:
+            # ps: rank 2 only talks to rank 0; it may finish before rank 0 notices.
+            assert algorithm in ("ps",) and r == 2, payload
+            continue
+        assert payload["commlab"], payload
+        assert f"[{algorithm}]" in payload["msg"], payload
+        assert payload["seconds"] < 10 + 5, payload
+
+
+def test_forged_stale_and_squatted_segments_are_refused():
+    C = _ext.require()
+    token = secrets.token_hex(16)
+    cap = 4096
+    size = 4096 + 2 * cap
+    own = C.ShmComm(token, 0, 2, cap, 1000, [0, 1])
+    path = f"/dev/shm/commlab-{token}-1"
+    try:
+        # Forged: right name and size, garbage header.
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, size)
+        os.close(fd)
+        with pytest.raises(RuntimeError, match="bad magic"):
+            own.attach()
+        os.unlink(path)
+        # Stale/foreign: a genuine segment of another group (other token) renamed into place.
+        other = secrets.token_hex(16)
+        donor = C.ShmComm(other, 1, 2, cap, 1000, [0, 1])
+        os.rename(f"/dev/shm/commlab-{other}-1", path)
+        with pytest.raises(RuntimeError, match="token mismatch"):
+            own.attach()
+        os.chmod(path, 0o644)
+        with pytest.raises(RuntimeError, match="0600"):
+            own.attach()
+        os.unlink(path)
+        donor.close()
+        # Squatted: a name that already exists is never reused (O_EXCL).
+        fd = os.open(f"/dev/shm/commlab-{token}-1", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.close(fd)
+        with pytest.raises(RuntimeError, match="File exists"):
+            C.ShmComm(token, 1, 2, cap, 1000, [0, 1])
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+        own.close()
+    assert not [n for n in os.listdir("/dev/shm") if token in n]
+    mode = None
+    # Our own segments are created 0600.
+    tok2 = secrets.token_hex(16)
+    c = C.ShmComm(tok2, 0, 1, cap, 1000, [0])
+    mode = os.stat(f"/dev/shm/commlab-{tok2}-0").st_mode & 0o777
+    c.close()
+    assert mode == 0o600
+    assert not os.path.exists(f"/dev/shm/commlab-{tok2}-0")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_another_user_cannot_attach():
+    C = _ext.require()
+    token = secrets.token_hex(16)
+    own = C.ShmComm(token, 0, 2, 4096, 1000, [0, 1])
+    try:
+        pid = os.fork()
+        if pid == 0:  # child: become nobody and try to map rank 0's segment
+            code = 3
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                intruder = C.ShmComm(secrets.token_hex(16), 1, 2, 4096, 1000, [0, 1])
+                try:
+                    os.rename  # noqa: B018 - keep the intruder alive across the attempt
+                    fd = os.open(f"/dev/shm/commlab-{token}-0", os.O_RDWR)
+                    os.close(fd)
+                    code = 1  # opened: a failure
+                except PermissionError:
+                    code = 0
+                intruder.close()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0, "another user could open a commlab segment"
+    finally:
+        own.close()
