@@ -1,0 +1,125 @@
+"""Two 'hosts' on one machine: two network namespaces joined by a veth pair, with
+addresses from TEST-NET-1 (192.0.2.0/24) that exist only inside them. torchrun
+--nnodes 2 runs the pure algorithms across them; shm refuses naming the hosts; cutting
+the link mid-run gives errors, not hangs. Skips where namespaces cannot be made."""
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import commlab
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "tests", "twohost_job.py")
+ADDR = {0: "192.0.2.1", 1: "192.0.2.2"}
+
+
+def _ip(*args, check=True):
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+    # Opt-in: each test starts two torchrun jobs (minutes on 2 cores), and the first one
+    # has timed out once here in rendezvous; it is not yet reliable enough for CI.
+    if os.environ.get("COMMLAB_TWOHOST") != "1":
+        pytest.skip("set COMMLAB_TWOHOST=1 to run the two-namespace tests")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    tag = secrets.token_hex(3)
+    ns = [f"clA{tag}", f"clB{tag}"]
+    dev = [f"cva{tag}", f"cvb{tag}"]
+    try:
+        _ip("netns", "add", ns[0])
+    except (subprocess.CalledProcessError, FileNotFoundError, OSError) as e:
+        pytest.skip(f"cannot create network namespaces here: {e}")
+    try:
+        _ip("netns", "add", ns[1])
+        _ip("link", "add", dev[0], "type", "veth", "peer", "name", dev[1])
+        for i in (0, 1):
+            _ip("link", "set", dev[i], "netns", ns[i])
+            _ip("-n", ns[i], "addr", "add", f"{ADDR[i]}/24", "dev", dev[i])
+            _ip("-n", ns[i], "link", "set", dev[i], "up")
+            _ip("-n", ns[i], "link", "set", "lo", "up")
+        yield ns, dev
+    finally:
+        for n in ns:
+            _ip("netns", "del", n, check=False)
+
+
+def _launch(ns, dev, node, port, out_dir, extra_env=None, nproc=2):
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=dev[node], COMMLAB_JOB_OUT=str(out_dir), PYTHONUNBUFFERED="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("MASTER_ADDR", None)
+    env.pop("MASTER_PORT", None)
+    env.update(extra_env or {})
+    cmd = ["ip", "netns", "exec", ns[node], sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+           "--nproc_per_node", str(nproc), "--node_rank", str(node), "--master_addr", ADDR[0], "--master_port",
+           str(port), JOB]
+    # A session of its own: torchrun signals its whole process group when a worker fails.
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _wait(procs, timeout):
+    deadline = time.monotonic() + timeout
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)  # torchrun and its workers: they hold the pipe
+            out, _ = p.communicate()
+            out = "TIMED OUT\n" + out
+        outs.append((p.returncode, out))
+    return outs
+
+
+def test_pure_algorithms_across_two_hosts_and_shm_refuses(two_hosts, tmp_path):
+    ns, dev = two_hosts
+    procs = [_launch(ns, dev, node, 29611, tmp_path) for node in (0, 1)]
+    outs = _wait(procs, 240)
+    for rc, out in outs:
+        assert rc == 0, out[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for res in results:
+        for name in commlab.algorithm_names():
+            got = res["algorithms"][name]
+            if name.startswith("shm"):
+                assert got.startswith("unsupported:") and "more than one host" in got, got
+                assert got.count("ranks [") == 2, got  # both hosts named, with their ranks
+            else:
+                assert got == "ok", (name, got)
+    assert len({json.dumps(r["algorithms"]) for r in results}) == 1, "ranks disagree"
+
+
+def test_cutting_the_link_gives_errors_not_hangs(two_hosts, tmp_path):
+    ns, dev = two_hosts
+    env = {"COMMLAB_JOB_LOOP": "1", "COMMLAB_JOB_TIMEOUT": "10"}
+    procs = [_launch(ns, dev, node, 29612, tmp_path, env, nproc=1) for node in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"started{r}").exists() for r in (0, 1)):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            outs = _wait(procs, 5)
+            pytest.fail("the job did not start: " + outs[0][1][-2000:])
+        time.sleep(0.2)
+    time.sleep(1)  # mid-run
+    _ip("-n", ns[0], "link", "set", dev[0], "down")
+    t_cut = time.monotonic()
+    # The group's timeout is 10 s: both ranks must report an error well within a minute.
+    # (torchrun's own agents then wait on their store across the dead link; that is
+    # torchrun's business, so the sessions are killed once the ranks have spoken.)
+    while not all((tmp_path / f"loop{r}.json").exists() for r in (0, 1)) and time.monotonic() - t_cut < 60:
+        time.sleep(0.2)
+    elapsed = time.monotonic() - t_cut
+    outs = _wait(procs, 1)
+    assert elapsed < 60, "ranks did not give up after the link went down: " + outs[0][1][-2000:]
+    for r in (0, 1):
+        res = json.loads((tmp_path / f"loop{r}.json").read_text())
+        assert "error" in res, res
+        assert res["error"].startswith("PeerError: commlab[ring]") and "rank" in res["error"], res
