@@ -23,6 +23,7 @@ Metric definitions (printed with the table):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -161,16 +162,12 @@ def _ddp_body(rank, world, port, mode, args):
         for k in range(accum):
             x, y = wl.make_batch(micro, seed=(i * accum + k) * 1000 + rank)
             x, y = x.to(device), y.to(device)
-            ctx = ddp.no_sync() if k < accum - 1 else _nullcontext()
+            ctx = ddp.no_sync() if k < accum - 1 else contextlib.nullcontext()
             with ctx:
                 loss = forward_loss(x, y) / accum
                 (scaler.scale(loss) if scaler else loss).backward()
             total += float(loss)
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+        _optimizer_step(opt, scaler)
         if cuda:
             torch.cuda.synchronize()
         return total
@@ -206,12 +203,13 @@ def _ddp_body(rank, world, port, mode, args):
             "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"]}
 
 
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+def _optimizer_step(opt, scaler) -> None:
+    """One optimizer step, through the GradScaler when fp16 AMP uses one."""
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
 
 
 def _free_port() -> int:
@@ -317,11 +315,7 @@ def _dp_body(args):
                 loss = wl.loss(model(x).float(), y) / args["accum_steps"]
             (scaler.scale(loss) if scaler else loss).backward()
             total += float(loss)
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+        _optimizer_step(opt, scaler)
         torch.cuda.synchronize()
         return total
 
