@@ -103,9 +103,9 @@ class CommState:
                 return
             job()
 
-    def submit(self, bucket) -> torch.futures.Future[torch.Tensor]:
+    def _begin(self, bucket) -> _Iteration:
+        """Book a bucket handed over by DDP; the last bucket marks the end of backward."""
         buf = bucket.buffer()
-        fut: torch.futures.Future = torch.futures.Future()
         now = time.perf_counter()
         with self._lock:
             it = self._current
@@ -116,6 +116,23 @@ class CommState:
             if bucket.is_last():
                 it.backward_end = now
                 self._current = None  # the next hook call starts a new iteration
+        return it
+
+    def _finish(self, it: _Iteration, index: int, nbytes: int, t0: float, t1: float) -> None:
+        """Book a bucket's completion; the iteration is done when its last bucket is."""
+        with self._lock:
+            it.comm_s += t1 - t0
+            it.buckets.append({"index": index, "bytes": nbytes, "comm_ms": (t1 - t0) * 1e3})
+            it.pending -= 1
+            if it.pending == 0 and it.backward_end is not None:
+                it.last_done = t1
+                self._done.append(it)
+                del self._done[: -self._keep]
+
+    def submit(self, bucket) -> torch.futures.Future[torch.Tensor]:
+        buf = bucket.buffer()
+        fut: torch.futures.Future = torch.futures.Future()
+        it = self._begin(bucket)
         index = bucket.index()
         stream = torch.cuda.current_stream(buf.device) if buf.is_cuda else None
         if stream is not None:
@@ -134,16 +151,7 @@ class CommState:
                 error = None
             except BaseException as e:  # noqa: BLE001 - delivered through the Future
                 error = e
-            t1 = time.perf_counter()
-            with self._lock:
-                it.comm_s += t1 - t0
-                it.buckets.append({"index": index, "bytes": buf.numel() * buf.element_size(),
-                                   "comm_ms": (t1 - t0) * 1e3})
-                it.pending -= 1
-                if it.pending == 0 and it.backward_end is not None:
-                    it.last_done = t1
-                    self._done.append(it)
-                    del self._done[: -self._keep]
+            self._finish(it, index, buf.numel() * buf.element_size(), t0, time.perf_counter())
             if error is None:
                 fut.set_result(buf)
             else:
@@ -180,22 +188,12 @@ def blocking_allreduce_hook(state: CommState, bucket) -> torch.futures.Future[to
     """The same reduction done inside the hook, blocking backward: the baseline that
     shows what overlap buys (benchmarks only)."""
     buf = bucket.buffer()
+    it = state._begin(bucket)
     t0 = time.perf_counter()
     state._reduce(buf)
+    state._finish(it, bucket.index(), buf.numel() * buf.element_size(), t0, time.perf_counter())
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(buf)
-    with state._lock:
-        if state._current is None:
-            state._current = _Iteration(started=t0)
-        it = state._current
-        t1 = time.perf_counter()
-        it.comm_s += t1 - t0
-        it.bytes += buf.numel() * buf.element_size()
-        it.buckets.append({"index": bucket.index(), "bytes": buf.numel() * buf.element_size(), "comm_ms": (t1 - t0) * 1e3})
-        if bucket.is_last():
-            it.backward_end = it.last_done = t1
-            state._done.append(it)
-            state._current = None
     return fut
 
 

@@ -149,7 +149,6 @@ def test_forged_stale_and_squatted_segments_are_refused():
             os.unlink(path)
         own.close()
     assert not [n for n in os.listdir("/dev/shm") if token in n]
-    mode = None
     # Our own segments are created 0600.
     tok2 = secrets.token_hex(16)
     c = C.ShmComm(tok2, 0, 1, cap, 1000, [0])
@@ -173,7 +172,6 @@ def test_another_user_cannot_attach():
                 os.setuid(65534)
                 intruder = C.ShmComm(secrets.token_hex(16), 1, 2, 4096, 1000, [0, 1])
                 try:
-                    os.rename  # noqa: B018 - keep the intruder alive across the attempt
                     fd = os.open(f"/dev/shm/commlab-{token}-0", os.O_RDWR)
                     os.close(fd)
                     code = 1  # opened: a failure
