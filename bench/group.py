@@ -15,6 +15,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from commlab import launch
+
 STOP = -1
 ALLREDUCE, DDP_STEP = 0, 1
 # How a DDP step communicates: DDP's own allreduce, commlab's overlapped hook, the same
@@ -51,18 +53,22 @@ def _helper(rank: int, world_size: int, port: int) -> None:
     while True:
         kind, a, b, calls = _plan()
         if kind == STOP:
-            dist.barrier()  # leave together (gloo aborts on half-torn connections)
             break
         if kind == ALLREDUCE:
             buf = torch.zeros(max(b // 4, 1), dtype=torch.float32)
             for _ in range(calls):
                 commlab.all_reduce(buf, algorithm=names[a])
         else:
-            step, close = ddp_step(rank, HOOKS[a], names[b])
-            for _ in range(calls):
-                step()
-            close()
-    dist.destroy_process_group()
+            _ddp_steps(rank, HOOKS[a], names[b], calls)
+    launch.leave()
+
+
+def _ddp_steps(rank: int, hook: str, algorithm: str, calls: int) -> None:
+    # A frame of its own: the model and its hook state die on return, before leave().
+    step, close = ddp_step(rank, hook, algorithm)
+    for _ in range(calls):
+        step()
+    close()
 
 
 def ddp_step(rank: int, hook: str, algorithm: str):
@@ -119,8 +125,7 @@ class BenchGroup:
 
     def close(self) -> None:
         _plan([STOP, 0, 0, 0])
-        dist.barrier()
-        dist.destroy_process_group()
+        launch.leave()
         for p in self.procs:
             p.join(30)
             if p.is_alive():

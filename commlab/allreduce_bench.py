@@ -282,16 +282,11 @@ def rank_main(args) -> None:
     info = launch.detect()
     backend = args.backend or launch.default_backend(args.device)
     launch.init(info, backend, args.timeout, args.device)
-    try:
-        doc = run_bench(args)
-        if doc is not None:
-            print(report(doc), flush=True)
-            write_outputs(doc, args)
-        # Leave together: gloo can abort a process whose peers tear their
-        # connections down while it is still using them.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    doc = run_bench(args)
+    if doc is not None:
+        print(report(doc), flush=True)
+        write_outputs(doc, args)
+    launch.leave()
 
 
 def main(argv=None) -> int:

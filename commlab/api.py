@@ -53,7 +53,7 @@ class _Plan:
         self.check = checking_enabled()
 
     def live(self) -> bool:
-        return self.info.group in dist.distributed_c10d._world.pg_map
+        return self.info.alive()
 
     def execute(self, tensor: torch.Tensor) -> None:
         if self.check and self.info.size > 1:

@@ -101,8 +101,14 @@ class _NativeStats:
 
 
 def _ddp_rank(rank: int, world: int, port: int, mode: str, args: dict, q) -> None:
+    from . import launch
+
     try:
-        q.put((rank, "ok", _ddp_body(rank, world, port, mode, args)))
+        result = _ddp_body(rank, world, port, mode, args)
+        # The model, its reducer and hook state are gone with the body's frame: the group
+        # can now be freed while the interpreter is alive.
+        launch.leave()
+        q.put((rank, "ok", result))
     except torch.OutOfMemoryError as e:
         q.put((rank, "oom", str(e).splitlines()[0]))
     except BaseException:  # noqa: BLE001 - reported in the table
@@ -197,8 +203,6 @@ def _ddp_body(rank, world, port, mode, args):
     mem = (torch.cuda.max_memory_allocated(device) if cuda else peak_rss) / 2**20
     if isinstance(state, hooks.CommState):
         state.close()
-    dist.barrier()
-    dist.destroy_process_group()
     return {"times": slowest.cpu().tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": mem,
             "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"]}
 

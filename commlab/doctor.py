@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import launch
+
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 
 
@@ -157,8 +159,7 @@ def _smoke_rank(rank: int, world: int, port: int, timeout_s: float, q) -> None:
         except Exception as e:  # noqa: BLE001 - reported as a FAIL line
             status = f"{type(e).__name__}: {e}"
         q.put((rank, name, status, time.perf_counter() - t0))
-    dist.barrier()
-    dist.destroy_process_group()
+    launch.leave()
 
 
 def smoke_test(world_size: int, timeout_s: float = 30.0) -> list[Check]:

@@ -1,8 +1,18 @@
-"""What an algorithm needs to know about a process group, looked up once per call."""
+"""What an algorithm needs to know about a process group, looked up once per call.
+
+commlab never keeps a process group alive: everything cached per group holds it
+weakly. A group that outlived destroy_process_group() in one of our caches would be
+torn down during interpreter shutdown instead, while gloo's worker threads still
+release tensors that need the GIL: the process aborts ("terminate called without an
+active exception", seen in CI). Cached state that must be freed with its group
+(shared-memory segments) registers a callback with on_release().
+"""
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -14,11 +24,22 @@ _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 @dataclass(frozen=True)
 class GroupInfo:
-    group: dist.ProcessGroup
+    ref: weakref.ref = field(repr=False)  # the group, held weakly
     rank: int  # rank inside the group
     size: int
     global_ranks: tuple[int, ...]  # group rank -> global rank, for error messages
     timeout: datetime.timedelta
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        g = self.ref()
+        if g is None:
+            raise CommlabError("commlab: the process group was destroyed")
+        return g
+
+    def alive(self) -> bool:
+        g = self.ref()
+        return g is not None and g in dist.distributed_c10d._world.pg_map
 
     def global_rank(self, group_rank: int) -> int:
         return self.global_ranks[group_rank]
@@ -34,11 +55,17 @@ def resolve(group: dist.ProcessGroup | None) -> GroupInfo:
         raise CommlabError("commlab: torch.distributed is not initialized (call dist.init_process_group first)")
     g = group if group is not None else dist.group.WORLD
     info = _cache.get(id(g))
-    if info is not None and info.group is g and g in dist.distributed_c10d._world.pg_map:
+    if info is not None and info.ref() is g and g in dist.distributed_c10d._world.pg_map:
         return info
     info = _lookup(g)
     _cache[id(g)] = info
+    on_release(g, lambda key=id(g), info=info: _cache.pop(key, None) if _cache.get(key) is info else None)
     return info
+
+
+def on_release(group: dist.ProcessGroup, callback: Callable[[], None]) -> None:
+    """Call callback() once the group object is gone (destroyed and unreferenced)."""
+    weakref.finalize(group, callback)
 
 
 def _lookup(g) -> GroupInfo:
@@ -52,7 +79,7 @@ def _lookup(g) -> GroupInfo:
         # No repr of the group in the message: it must read the same on every rank.
         raise CommlabError("commlab: the process group is not registered (destroyed, or not created "
                            "with torch.distributed.new_group)") from e
-    return GroupInfo(group=g, rank=rank, size=size, global_ranks=ranks, timeout=timeout_of(g))
+    return GroupInfo(ref=weakref.ref(g), rank=rank, size=size, global_ranks=ranks, timeout=timeout_of(g))
 
 
 def timeout_of(group: dist.ProcessGroup) -> datetime.timedelta:

@@ -172,8 +172,12 @@ class CommState:
         buf.copy_(wire)
 
     def close(self) -> None:
+        """Stop the communication thread and free the state's own process group."""
         self._jobs.put(None)
         self._thread.join(5)
+        pg, self.process_group = self.process_group, None
+        if pg is not None and dist.is_initialized() and pg in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(pg)
 
     def __getstate__(self):  # DDP pickles nothing, but make misuse obvious
         raise TypeError("CommState holds a process group and a thread; it cannot be pickled")

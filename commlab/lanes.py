@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from typing import Callable
 
 import torch
+
+from . import groups
 
 
 class Work:
@@ -68,7 +71,10 @@ class _Lane:
 
     def _loop(self) -> None:
         while True:
-            job, work, stream = self._q.get()
+            item = self._q.get()
+            if item is None:
+                return
+            job, work, stream = item
             error = None
             try:
                 if stream is not None:
@@ -108,7 +114,12 @@ class _Lane:
         return None
 
 
-_lanes: dict[int, tuple[object, _Lane]] = {}
+    def stop(self) -> None:
+        """Let the thread end once the queued work is done (its group is gone)."""
+        self._q.put(None)
+
+
+_lanes: dict[int, tuple[weakref.ref, _Lane]] = {}
 _lanes_lock = threading.Lock()
 
 
@@ -116,7 +127,15 @@ def lane(group) -> _Lane:
     key = id(group)
     with _lanes_lock:
         entry = _lanes.get(key)
-        if entry is None or entry[0] is not group:
-            entry = (group, _Lane(f"commlab-lane-{key:x}"))
+        if entry is None or entry[0]() is not group:
+            entry = (weakref.ref(group), _Lane(f"commlab-lane-{key:x}"))
             _lanes[key] = entry
+            groups.on_release(group, lambda key=key, entry=entry: _drop(key, entry))
         return entry[1]
+
+
+def _drop(key: int, entry) -> None:
+    with _lanes_lock:
+        if _lanes.get(key) is entry:
+            del _lanes[key]
+    entry[1].stop()

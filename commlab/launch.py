@@ -4,6 +4,7 @@ or our own local spawn of N ranks on loopback."""
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 from dataclasses import dataclass
@@ -80,6 +81,24 @@ def init(launch: Launch, backend: str, timeout_s: float, device: str) -> None:
         os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
     dist.init_process_group(backend, init_method="env://", rank=launch.rank,
                             world_size=launch.world_size, timeout=timeout)
+
+
+def leave() -> None:
+    """Leave the process group together and free it while the interpreter is alive.
+
+    The barrier: gloo can abort a process whose peers tear their connections down while
+    it still uses them. The collect: a group that only dies during interpreter shutdown
+    has gloo worker threads releasing Python-owned tensors after the GIL is gone, which
+    aborts the process; nothing of commlab's holds a group (groups.py), but cycles in the
+    caller's objects can, so they go now.
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        gc.collect()
 
 
 def _spawned(rank: int, world_size: int, port: int, target: Callable, args: tuple) -> None:

@@ -13,11 +13,12 @@ import atexit
 import os
 import socket
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
 
-from . import _ext
+from . import _ext, groups
 from .errors import CollectiveMismatchError, CommlabError, PeerError, UnsupportedError
 from .groups import GroupInfo
 
@@ -51,7 +52,7 @@ def host_id() -> str:
 
 class _Entry:
     def __init__(self, group):
-        self.group = group
+        self.ref = weakref.ref(group)
         self.comm = None
         self.unsupported: str | None = None
         self.broken: str | None = None
@@ -120,12 +121,25 @@ def _entry(info: GroupInfo) -> _Entry:
     key = id(info.group)
     with _entries_lock:
         entry = _entries.get(key)
-        if entry is None or entry.group is not info.group:
+        group = info.group
+        if entry is None or entry.ref() is not group:
             if entry is not None and entry.comm is not None:
                 entry.comm.close()
-            entry = _Entry(info.group)
+            entry = _Entry(group)
             _entries[key] = entry
+            groups.on_release(group, lambda key=key, entry=entry: _drop(key, entry))
     return entry
+
+
+def _drop(key: int, entry: _Entry) -> None:
+    """The group is gone: unmap its segments."""
+    with _entries_lock:
+        if _entries.get(key) is entry:
+            del _entries[key]
+    with entry.lock:
+        if entry.comm is not None:
+            entry.comm.close()
+            entry.comm = None
 
 
 def unsupported(info: GroupInfo) -> str | None:

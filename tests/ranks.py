@@ -54,6 +54,9 @@ def _rank_main(rank, world_size, store, inq, outq, pg_timeout_s, env):
         dist.destroy_process_group()
     except Exception:
         pass
+    import gc
+
+    gc.collect()  # free the group while the interpreter is alive (see commlab/launch.leave)
 
 
 class RankPool:

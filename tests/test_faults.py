@@ -184,3 +184,37 @@ def test_another_user_cannot_attach():
         assert os.WEXITSTATUS(status) == 0, "another user could open a commlab segment"
     finally:
         own.close()
+
+
+def _commlab_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "/commlab-" in line)
+
+
+def groups_are_not_kept_alive(rank, p):
+    """A destroyed group must die with its last user reference: a group kept alive by
+    commlab's caches is torn down during interpreter shutdown instead, where gloo's
+    worker threads abort the process (CI saw it)."""
+    import gc
+    import weakref
+
+    before = _commlab_mappings()
+    out = {}
+    for name in commlab.algorithm_names():
+        g = dist.new_group(list(range(p)))
+        x = torch.ones(1000)
+        commlab.all_reduce(x, group=g, algorithm=name)
+        commlab.all_reduce(x, group=g, algorithm=name, async_op=True).wait()
+        ref = weakref.ref(g)
+        dist.destroy_process_group(g)
+        del g
+        gc.collect()
+        out[name] = ("alive" if ref() is not None else "freed", x[0].item())
+    out["mappings left"] = _commlab_mappings() - before
+    return out
+
+
+def test_destroyed_groups_are_released(ranks):
+    for res in ranks.run(3, groups_are_not_kept_alive):
+        assert res.pop("mappings left") == 0
+        assert res == {n: ("freed", 9.0) for n in commlab.algorithm_names()}, res
