@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 

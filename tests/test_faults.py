@@ -218,3 +218,46 @@ def test_destroyed_groups_are_released(ranks):
     for res in ranks.run(3, groups_are_not_kept_alive):
         assert res.pop("mappings left") == 0
         assert res == {n: ("freed", 9.0) for n in commlab.algorithm_names()}, res
+
+
+def killed_mid_collective(rank, p, algorithm, victim, delay_s):
+    """The victim SIGKILLs itself from a timer thread while every rank loops over
+    collectives large enough that the kill lands inside one (in a transfer, a
+    reduction or a wait, wherever the timer fires)."""
+    import signal
+    import threading
+
+    x = torch.ones(1 << 18)  # 1 MiB: many segments, pieces and steps per call
+    commlab.all_reduce(x, algorithm=algorithm)
+    dist.barrier()
+    t0 = time.monotonic()
+    if rank == victim:
+        threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    calls = 0
+    try:
+        while time.monotonic() - t0 < delay_s + 30:
+            commlab.all_reduce(x.fill_(1.0), algorithm=algorithm)
+            calls += 1
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return {"type": type(e).__name__, "commlab": isinstance(e, commlab.CommlabError), "msg": str(e)[:400],
+                "after_kill_s": time.monotonic() - t0 - delay_s, "calls": calls,
+                "leftovers": [n for n in os.listdir("/dev/shm") if n.startswith("commlab-")]}
+    return {"type": None, "calls": calls}
+
+
+@pytest.mark.parametrize("algorithm", commlab.algorithm_names())
+def test_rank_killed_inside_a_collective(algorithm):
+    # A delay per algorithm, fixed so a failure reproduces, spread so the kill lands at
+    # different phases of a call.
+    delay = 0.2 + 0.37 * (commlab.algorithm_names().index(algorithm) % 5)
+    pool = RankPool(3, pg_timeout_s=10)
+    res = pool.run_faulty(killed_mid_collective, algorithm, 1, delay, timeout=90)
+    assert res[1][0] == "missing", res[1]
+    for r in (0, 2):
+        status, payload = res[r]
+        assert status == "ok", payload
+        assert payload["type"] is not None, f"rank {r} never noticed the dead peer: {payload}"
+        assert payload["commlab"] and f"[{algorithm}]" in payload["msg"], payload
+        assert payload["after_kill_s"] < 10 + 5, payload  # the group's timeout plus a margin
+        assert payload["leftovers"] == [], payload
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("commlab-")]

@@ -4,7 +4,6 @@ import os
 import threading
 import time
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -91,42 +90,6 @@ def from_thread(rank, p, algorithm):
 def test_called_from_another_thread(ranks, algorithm):
     for res in ranks.run(3, from_thread, algorithm):
         assert res == {"x": 3.0}, res
-
-
-def _fds():
-    return len(os.listdir("/proc/self/fd"))
-
-
-def _maps():
-    with open("/proc/self/maps") as f:
-        return sum(1 for _ in f)
-
-
-def soak(rank, p, algorithm, calls):
-    sizes = [1, 100, 1000, 4096, 5000]  # one-shot, two-shot and pieces at the tests' buffers
-    bufs = [torch.zeros(n, dtype=torch.int32) for n in sizes]
-    for _ in range(50):  # warm: caches, plans, allocator
-        for b in bufs:
-            commlab.all_reduce(b, algorithm=algorithm)
-    proc = psutil.Process()
-    fds0, maps0, rss0 = _fds(), _maps(), proc.memory_info().rss
-    wrong = 0
-    for i in range(calls):
-        b = bufs[i % len(bufs)]
-        b.fill_(rank + i % 7)
-        commlab.all_reduce(b, algorithm=algorithm)
-        if int(b[0]) != p * (i % 7) + sum(range(p)) or int(b[-1]) != int(b[0]):
-            wrong += 1
-    return {"wrong": wrong, "fds": _fds() - fds0, "maps": _maps() - maps0,
-            "rss_growth": proc.memory_info().rss - rss0}
-
-
-@pytest.mark.parametrize("algorithm", SHM_ALGORITHMS)
-def test_ten_thousand_calls_without_growth(ranks, algorithm):
-    for res in ranks.run(4, soak, algorithm, 10_000, timeout=300):
-        assert res["wrong"] == 0, res
-        assert res["fds"] == 0 and res["maps"] == 0, res
-        assert res["rss_growth"] < 4 << 20, res
 
 
 def split_hosts(rank, p):
