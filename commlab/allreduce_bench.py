@@ -24,7 +24,7 @@ import commlab
 
 from . import algorithms, costmodel, envinfo, launch
 from .reduction import Op, finish_average_, parse_op
-from .timing import time_calls
+from .timing import Interleaved
 from .units import format_bytes, parse_bytes
 
 DTYPES = {
@@ -119,15 +119,20 @@ def run_bench(args) -> dict | None:
         env["memcpy_dram_gbps"] = costmodel.measure_memcpy_gbps(64 << 20)
         env["cores"] = len(os.sched_getaffinity(0))
     results = []
-    progress = Progress(len(sizes) * len(rows), enabled=(rank == 0 and sys.stderr.isatty() and not args.quiet))
+    progress = Progress(len(sizes) * len(rows) * max(1, args.rounds), enabled=(rank == 0 and sys.stderr.isatty() and not args.quiet))
     for nbytes in sizes:
         count = max(nbytes // dtype.itemsize, 1)
         fill = 1 if op is Op.PRODUCT else 0  # stays finite however often it is reduced
         buf = torch.full((count,), fill, dtype=dtype, device=device)
+        clock = Interleaved(device=device, iters=args.iters, warmup=args.warmup_iters, blocking=args.blocking,
+                            budget_s=args.budget, max_iters=args.max_iters, rounds=args.rounds)
+        for _ in range(clock.rounds):
+            for row in rows:
+                progress.step(f"{row.name} {format_bytes(count * dtype.itemsize)}")
+                clock.round(row.name, lambda: row.call(buf, op))
+                buf.fill_(fill)
         for row in rows:
-            progress.step(f"{row.name} {format_bytes(count * dtype.itemsize)}")
-            t = time_calls(lambda: row.call(buf, op), device=device, iters=args.iters, warmup=args.warmup_iters,
-                           blocking=args.blocking, budget_s=args.budget, max_iters=args.max_iters)
+            t = clock.result(row.name)
             wrong = -1
             if args.check:
                 x = check_input(rank, count, dtype, op, device)
@@ -143,7 +148,6 @@ def run_bench(args) -> dict | None:
                 "busbw_gbps": algbw * algorithms.Algorithm.busbw_factor(p), "wrong": wrong,
                 "p10_us": t.p10_us, "p90_us": t.p90_us, "iters": t.iters,
             })
-            buf.fill_(fill)
     progress.done()
     return {"env": env, "results": results} if rank == 0 else None
 
@@ -268,6 +272,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--blocking", action="store_true", help="barrier and time each call separately")
     ap.add_argument("--budget", type=float, default=0.25, help="seconds of timing per size and algorithm")
     ap.add_argument("--max-iters", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="time the algorithms of a size in this many interleaved rounds, so a machine "
+                         "whose speed drifts slows them alike (1: one after the other)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--backend", default=None, help="process-group backend (default: nccl on GPU, gloo on CPU)")
     ap.add_argument("--world-size", type=int, default=None, help="spawn this many local ranks (no torchrun)")

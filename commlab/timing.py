@@ -66,21 +66,48 @@ def slowest(durations: list[float], device: torch.device) -> list[float]:
     return t.cpu().tolist()
 
 
-def time_calls(call: Callable[[], None], *, device: torch.device, iters: int | None, warmup: int,
-               blocking: bool, budget_s: float, max_iters: int) -> Timing:
-    """Time `call` (a full collective). iters=None: as many as fit budget_s, judged
-    from the warm-up, between 3 and max_iters, agreed across ranks."""
-    clock = Clock(device)
-    t0 = time.perf_counter()
-    for _ in range(max(warmup, 1)):
-        call()
-    if clock.cuda:
-        torch.cuda.synchronize()
-    per_call = (time.perf_counter() - t0) / max(warmup, 1)
-    if iters is None:
-        iters = int(min(max_iters, max(3, budget_s / max(per_call, 1e-6))))
-    iters = agree_min(iters, device)
+class Interleaved:
+    """Times several calls of one size side by side: `rounds` rounds, each of which
+    times every call once for its share of the iterations. On a machine whose speed
+    drifts (shared hosts, other tenants) every call then sees the same slow and fast
+    phases, so their ratios hold even when absolute times move."""
 
+    def __init__(self, *, device: torch.device, iters: int | None, warmup: int, blocking: bool,
+                 budget_s: float, max_iters: int, rounds: int):
+        self.clock = Clock(device)
+        self.device, self.iters, self.warmup, self.blocking = device, iters, warmup, blocking
+        self.budget_s, self.max_iters, self.rounds = budget_s, max_iters, max(1, rounds)
+        self._per_round: dict[object, int] = {}
+        self._durations: dict[object, list[float]] = {}
+
+    def _plan(self, key, call: Callable[[], None]) -> int:
+        """Warm up once and decide how many iterations each round gets (agreed across ranks)."""
+        t0 = time.perf_counter()
+        for _ in range(max(self.warmup, 1)):
+            call()
+        if self.clock.cuda:
+            torch.cuda.synchronize()
+        per_call = (time.perf_counter() - t0) / max(self.warmup, 1)
+        total = self.iters
+        if total is None:
+            total = int(min(self.max_iters, max(3, self.budget_s / max(per_call, 1e-6))))
+        total = agree_min(total, self.device)
+        return max(1, -(-total // self.rounds))
+
+    def round(self, key, call: Callable[[], None]) -> None:
+        """Time one round of `call`, under the name `key`."""
+        if key not in self._per_round:
+            self._per_round[key] = self._plan(key, call)
+            self._durations[key] = []
+        self._durations[key].extend(_timed(call, self.clock, self._per_round[key], self.blocking, self.device))
+
+    def result(self, key) -> Timing:
+        worst = sorted(self._durations[key])
+        return Timing(statistics.median(worst), _percentile(worst, 0.1), _percentile(worst, 0.9), len(worst))
+
+
+def _timed(call: Callable[[], None], clock: Clock, iters: int, blocking: bool, device) -> list[float]:
+    """Per-iteration durations, each the slowest rank's."""
     dist.barrier()
     if blocking:
         durations = []
@@ -95,5 +122,13 @@ def time_calls(call: Callable[[], None], *, device: torch.device, iters: int | N
             call()
             marks.append(clock.mark())
         durations = clock.durations_us(marks)
-    worst = sorted(slowest(durations, device))
-    return Timing(statistics.median(worst), _percentile(worst, 0.1), _percentile(worst, 0.9), iters)
+    return slowest(durations, device)
+
+
+def time_calls(call: Callable[[], None], *, device: torch.device, iters: int | None, warmup: int,
+               blocking: bool, budget_s: float, max_iters: int) -> Timing:
+    """Time `call` (a full collective) alone: one round of Interleaved."""
+    t = Interleaved(device=device, iters=iters, warmup=warmup, blocking=blocking, budget_s=budget_s,
+                    max_iters=max_iters, rounds=1)
+    t.round(0, call)
+    return t.result(0)

@@ -60,5 +60,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("segment_name", &commlab::ShmComm::segment_name)
       .def_property_readonly("capacity", &commlab::ShmComm::capacity)
       .def_property_readonly("calls", &commlab::ShmComm::calls)
-      .def_property("oneshot_max", &commlab::ShmComm::oneshot_max, &commlab::ShmComm::set_oneshot_max);
+      .def_property("oneshot_max", &commlab::ShmComm::oneshot_max, &commlab::ShmComm::set_oneshot_max)
+      .def_property("spin", &commlab::ShmComm::spin, &commlab::ShmComm::set_spin);
 }

@@ -94,6 +94,7 @@ def test_called_from_another_thread(ranks, algorithm):
 
 def split_hosts(rank, p):
     # Pretend ranks 0,1 and 2,3 live on two hosts: setup must refuse on every rank.
+    real = commlab.shm.host_id
     commlab.shm.host_id = lambda: f"node{rank // 2}/boot/mnt:1/net:{rank // 2}"
     g = dist.new_group(list(range(p)))
     try:
@@ -102,6 +103,8 @@ def split_hosts(rank, p):
         msg = str(e)
     else:
         msg = "NOT RAISED"
+    finally:
+        commlab.shm.host_id = real  # the rank pool lives on into other tests
     x = torch.ones(10)
     commlab.all_reduce(x, group=g, algorithm="ring")  # the group itself is fine
     dist.destroy_process_group(g)
@@ -166,3 +169,17 @@ def test_dead_peer_is_named_not_waited_for(ranks, algorithm, victim):
         assert payload["leftovers"] == []
     assert named >= 1
     assert _leftovers() == []
+
+
+def spin_choice(rank, p):
+    g = dist.new_group(list(range(p)))
+    commlab.all_reduce(torch.ones(10), group=g, algorithm="shm")
+    spin = commlab.shm._entries[id(g)].comm.spin
+    dist.destroy_process_group(g)
+    return spin, len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_waiters_spin_only_with_a_core_each(ranks, world):
+    for spin, cores in ranks.run(world, spin_choice):
+        assert spin == (commlab.shm.SPIN if world <= cores else 0)

@@ -11,6 +11,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -37,6 +38,8 @@ class ShmComm {
   int64_t capacity() const { return capacity_; }
   int64_t oneshot_max() const { return oneshot_max_; }
   void set_oneshot_max(int64_t bytes) { oneshot_max_ = bytes; }
+  int64_t spin() const { return spin_; }
+  void set_spin(int64_t n) { spin_ = static_cast<int>(std::max<int64_t>(0, n)); }
   std::string segment_name(int64_t rank) const;
   uint64_t calls() const { return call_; }
 
