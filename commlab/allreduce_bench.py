@@ -118,6 +118,7 @@ def run_bench(args) -> dict | None:
         env["memcpy_gbps"] = costmodel.measure_memcpy_gbps(1 << 20, repeats=50)
         env["memcpy_dram_gbps"] = costmodel.measure_memcpy_gbps(64 << 20)
         env["cores"] = len(os.sched_getaffinity(0))
+        env["llc_bytes"] = costmodel.last_level_cache_bytes()
     results = []
     progress = Progress(len(sizes) * len(rows) * max(1, args.rounds), enabled=(rank == 0 and sys.stderr.isatty() and not args.quiet))
     for nbytes in sizes:
@@ -225,18 +226,23 @@ def floor_lines(results: list[dict], env: dict) -> list[str]:
     if "memcpy_gbps" not in env:
         return []
     p, out = env["world_size"], []
+    llc = env.get("llc_bytes")
     for r in results:
         if r["algorithm"] not in algorithms.names() or r["bytes"] < (1 << 20):
             continue
         traffic = algorithms.get(r["algorithm"]).memory_traffic(p, r["bytes"])
         if traffic is None:
             continue
-        floor = costmodel.memory_floor_us(traffic, p, env["memcpy_gbps"], env["cores"])
+        floor = costmodel.memory_floor_us(traffic, p, r["bytes"], env["memcpy_gbps"], env["memcpy_dram_gbps"],
+                                          env["cores"], llc)
+        where = "cache" if llc is not None and p * r["bytes"] <= llc else "DRAM"
         out.append(f"#   {r['algorithm']:>11} {format_bytes(r['bytes']):>5}: memory floor {floor:10.1f} us "
-                   f"({traffic / r['bytes']:.2f}n per rank at {env['memcpy_gbps']:.1f} GB/s, "
-                   f"{p} ranks on {env['cores']} cores) -> efficiency {floor / r['time_us'] * 100:5.1f}%")
+                   f"(tensor {traffic.tensor / r['bytes']:.2f}n from {where}, staging "
+                   f"{traffic.staging / r['bytes']:.2f}n from cache) -> efficiency {floor / r['time_us'] * 100:5.1f}%")
     if out:
-        out.insert(0, "# memory-traffic floor (memcpy counts read + write):")
+        out.insert(0, f"# memory-traffic floor per rank, {p} ranks on {env['cores']} cores, at measured memcpy speeds "
+                      f"(read + write): cache {env['memcpy_gbps']:.1f} GB/s, DRAM {env['memcpy_dram_gbps']:.1f} GB/s, "
+                      f"last-level cache {format_bytes(llc) if llc else 'unknown'}:")
     return out
 
 

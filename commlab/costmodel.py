@@ -13,6 +13,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass
 
@@ -113,9 +114,34 @@ def measure_memcpy_gbps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
     return 2 * nbytes / best / 1e9
 
 
-def memory_floor_us(traffic_bytes: float, p: int, memcpy_gbps: float, cores: int) -> float:
-    """Time to move each rank's traffic at memcpy speed, with ranks sharing cores."""
-    return traffic_bytes * max(1.0, p / max(cores, 1)) / (memcpy_gbps * 1e3)
+def last_level_cache_bytes() -> int | None:
+    """Size of the last-level cache (sysfs), None where it cannot be read."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    best = None
+    try:
+        for idx in sorted(os.listdir(base)):
+            try:
+                with open(os.path.join(base, idx, "level")) as f:
+                    level = int(f.read())
+                with open(os.path.join(base, idx, "size")) as f:
+                    size = parse_bytes(f.read().strip())
+            except (OSError, ValueError):
+                continue
+            if best is None or level > best[0]:
+                best = (level, size)
+    except OSError:
+        return None
+    return best[1] if best else None
+
+
+def memory_floor_us(traffic, p: int, nbytes: int, cache_gbps: float, dram_gbps: float, cores: int,
+                    llc_bytes: int | None) -> float:
+    """Time to move each rank's memory traffic at measured memcpy speeds, with ranks
+    sharing cores: staging buffers at cache speed; the caller's tensor at DRAM speed once
+    the ranks' tensors together outgrow the last-level cache (at cache speed below)."""
+    in_cache = llc_bytes is not None and p * nbytes <= llc_bytes
+    per_rank_s = traffic.staging / (cache_gbps * 1e9) + traffic.tensor / ((cache_gbps if in_cache else dram_gbps) * 1e9)
+    return per_rank_s * max(1.0, p / max(cores, 1)) * 1e6
 
 
 def fit(points: list[tuple[str, int, float, float]], gamma_us_per_byte: float | None = None) -> dict[str, Fit]:

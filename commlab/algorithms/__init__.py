@@ -6,7 +6,7 @@ import importlib
 import pkgutil
 
 from ..errors import UnsupportedError
-from .base import Algorithm, Context, Cost
+from .base import Algorithm, Context, Cost, Traffic
 
 _REGISTRY: dict[str, Algorithm] = {}
 

@@ -28,6 +28,16 @@ class Cost:
         return self.steps * alpha + self.bytes_sent * beta + self.bytes_reduced * gamma
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """Memory traffic of one rank in one all-reduce, read + written: `tensor` is the
+    caller's tensor (it streams from DRAM once the ranks' tensors outgrow the last-level
+    cache), `staging` the transport's own buffers (small, reused: they stay in cache)."""
+
+    tensor: float
+    staging: float
+
+
 @dataclass
 class Context:
     """What `run` gets besides the buffer: the group and a transport bound to it."""
@@ -61,9 +71,9 @@ class Algorithm:
         is comparable with link bandwidth whatever the algorithm."""
         return 2.0 * (p - 1) / p if p > 1 else 0.0
 
-    def memory_traffic(self, p: int, nbytes: float) -> float | None:
-        """Bytes each rank must read plus write in memory, for transports bound by
-        memory bandwidth (shared memory); None for network algorithms."""
+    def memory_traffic(self, p: int, nbytes: float) -> Traffic | None:
+        """Bytes the busiest rank reads plus writes, for transports bound by memory
+        bandwidth (shared memory); None for network algorithms."""
         return None
 
     def unsupported(self, tensor: torch.Tensor, op: Op, info: GroupInfo) -> str | None:

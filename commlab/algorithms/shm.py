@@ -2,7 +2,7 @@
 (every rank reduces all inputs, one synchronisation) for small messages, two-shot
 (reduce-scatter into one's own slot, then all-gather) for large ones."""
 from .. import shm
-from .base import Algorithm, Cost
+from .base import Algorithm, Cost, Traffic
 
 
 class SharedMemory(Algorithm):
@@ -21,10 +21,12 @@ class SharedMemory(Algorithm):
         return Cost(2, 2 * nbytes, (p - 1) / p * nbytes)
 
     def memory_traffic(self, p, nbytes):
-        # copy in (read + write n), reduce (read p inputs, write the result), copy out.
+        # The tensor is read once (copy in) and written once (reduce or copy out); the
+        # segments take the copy-in writes, the reduction's reads and, in two-shot,
+        # its result and the copy-out reads.
         if nbytes <= shm.ONESHOT_MAX:
-            return 2 * nbytes + (p + 1) * nbytes
-        return 2 * nbytes + (p + 1) / p * nbytes + 2 * nbytes
+            return Traffic(tensor=2 * nbytes, staging=nbytes + p * nbytes)
+        return Traffic(tensor=2 * nbytes, staging=nbytes + (p + 1) / p * nbytes + nbytes)
 
     def unsupported(self, tensor, op, info):
         return shm.unsupported(info)

@@ -1,7 +1,7 @@
 """Shared memory with one reducer: rank 0 alone reduces every rank's input and the
 others copy the result (DataParallel's pattern over shared memory, for the comparison)."""
 from .. import shm
-from .base import Cost
+from .base import Cost, Traffic
 from .shm import SharedMemory
 
 
@@ -17,7 +17,8 @@ class SharedMemoryRoot(SharedMemory):
         return Cost(2, 2 * nbytes, (p - 1) * nbytes)
 
     def memory_traffic(self, p, nbytes):
-        return 2 * nbytes + (p + 1) * nbytes + 2 * nbytes  # the root's: copy in, reduce all, copy out
+        # The root's: copy in, reduce all p segments into its own, copy out.
+        return Traffic(tensor=2 * nbytes, staging=nbytes + (p + 1) * nbytes + nbytes)
 
 
 ALGORITHM = SharedMemoryRoot()
