@@ -3,6 +3,8 @@
     python -m commlab.compare --device cpu --world-size 4            # CPU default (~2 minutes here)
     python -m commlab.compare --device cuda --gpus 4 --model resnet50 --batch-size 256
     python -m commlab.compare --modes dp,ddp,ddp:ring,ddp:noop --json c.json --plot c.png
+    python -m commlab.compare --device cuda --mem-limit-mb 24000 --find-max-batch   # a 24 GB card's limit
+    python -m commlab.compare --device cpu --modes ddp,ddp:shm --bucket-cap-mb 1,5,25,100
 
 Modes: `dp` (nn.DataParallel, one process, GPUs only), `ddp` (DDP's own allreduce),
 `ddp:<algorithm>` (DDP through commlab's hook for that algorithm), `ddp:noop` (no
@@ -13,11 +15,15 @@ Metric definitions (printed with the table):
   iteration    wall time of one optimizer step (incl. accumulation micro-steps) of the
                slowest rank; median and p90 after warm-up
   throughput   global batch / median iteration
-  peak memory  CPU: peak RSS per rank; GPU: max_memory_allocated per device after warm-up
+  peak memory  CPU: peak RSS per rank (getrusage: the true peak, inside a step too);
+               GPU: max_memory_allocated per device after warm-up
   utilization  CPU: process CPU time / wall time per rank (100 % = one core)
   grad sync    DDP: from the hook statistics, per iteration: total = sum of bucket
                all-reduce times, exposed = end of backward compute to the last bucket's
-               completion (the part that is not hidden behind backward)
+               completion (the part that is not hidden behind backward). DP: one extra
+               iteration under torch.profiler, the busiest GPU's time in NCCL kernels
+               and peer copies (replicate, gradient reduce-add, scatter, gather); all
+               of it exposed, as DP communicates on the compute stream
   final loss   mean over ranks of the last step's loss
 """
 from __future__ import annotations
@@ -28,6 +34,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import resource
 import statistics
 import sys
 import time
@@ -133,6 +140,9 @@ def _ddp_body(rank, world, port, mode, args):
     backend = "nccl" if cuda and not args["share_gpu"] else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args["timeout"]))
+    if cuda and args["mem_limit_mb"]:
+        _cap_gpu_memory(device, args["mem_limit_mb"])
+    rss_before_model = psutil.Process().memory_info().rss
     torch.manual_seed(0)
     wl = workloads.build(args["model"], width=args["width"], depth=args["depth"])
     model = wl.model.to(device)
@@ -184,14 +194,13 @@ def _ddp_body(rank, world, port, mode, args):
         state.reset_stats()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    times, peak_rss = [], proc.memory_info().rss
+    times = []
     cpu0, wall0 = sum(proc.cpu_times()[:2]), time.perf_counter()
     loss = 0.0
     for i in range(args["warmup"], args["warmup"] + args["iters"]):
         t0 = time.perf_counter()
         loss = step(i)
         times.append(time.perf_counter() - t0)
-        peak_rss = max(peak_rss, proc.memory_info().rss)
     util = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - wall0) * 100
     slowest = torch.tensor(times, dtype=torch.float64)
     mean_loss = torch.tensor([loss], dtype=torch.float64)
@@ -200,11 +209,27 @@ def _ddp_body(rank, world, port, mode, args):
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     dist.all_reduce(mean_loss)
     st = state.stats() if state is not None else {"mean_total_comm_ms": 0.0, "mean_exposed_ms": 0.0}
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; the true peak, mid-step too
     mem = (torch.cuda.max_memory_allocated(device) if cuda else peak_rss) / 2**20
+    if not cuda and args["mem_limit_mb"]:
+        # CPU has no allocator limit: emulate one on what training added to the process,
+        # agreed across ranks so they all stop together.
+        over = torch.tensor([(peak_rss - rss_before_model) / 2**20], dtype=torch.float64)
+        dist.all_reduce(over, op=dist.ReduceOp.MAX)
+        if over.item() > args["mem_limit_mb"]:
+            raise torch.OutOfMemoryError(f"emulated: a rank's training memory peaked at {over.item():.0f} MB, above "
+                                         f"--mem-limit-mb {args['mem_limit_mb']:g}")
     if isinstance(state, hooks.CommState):
         state.close()
     return {"times": slowest.cpu().tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": mem,
             "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"]}
+
+
+def _cap_gpu_memory(device, limit_mb: float) -> None:
+    """Make this process's caching allocator behave like a card of limit_mb (the seed's
+    24 GB RTX 4090 on a bigger GPU): allocations beyond it raise OutOfMemoryError."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_mb * 2**20 / total), device)
 
 
 def _optimizer_step(opt, scaler) -> None:
@@ -263,6 +288,64 @@ def run_ddp_mode(mode: str, world: int, args: dict) -> dict:
     }
 
 
+def _is_ddp(mode: str) -> bool:
+    return mode == "ddp" or mode.startswith("ddp:")
+
+
+def run_mode(mode: str, world: int, args: dict) -> dict:
+    device = args["device"]
+    if mode == "dp":
+        return run_dp_mode(args)
+    if mode in ("ddp", "ddp:noop") or (mode.startswith("ddp:") and mode[4:] in algorithms.for_device(device)):
+        return run_ddp_mode(mode, world, args)
+    return {"mode": mode, "status": "unavailable",
+            "reason": f"no such mode for {device} (modes: {', '.join(all_modes(device))})"}
+
+
+def find_max_batch(mode: str, world: int, args: dict) -> tuple[int | None, list]:
+    """The largest global batch (a multiple of the ranks/GPUs) that runs a short training
+    without running out of memory: double from --batch-size until a run fails, then
+    bisect between the last success and the first failure. Every probe runs in fresh
+    processes, like the modes themselves. Returns (batch or None, [(batch, status)])."""
+    unit = world if _is_ddp(mode) else (args["gpus"] or max(torch.cuda.device_count(), 1))
+    probe_args = dict(args, warmup=1, iters=2)
+    probes: list[tuple[int, str]] = []
+
+    def runs(batch: int) -> bool | None:
+        res = run_mode(mode, world, dict(probe_args, batch_size=batch))
+        probes.append((batch, res["status"]))
+        print(f"#   {mode}: batch {batch}: {res['status']}", file=sys.stderr, flush=True)
+        if res["status"] not in ("ok", "oom"):
+            return None  # an error that is not memory: no answer
+        return res["status"] == "ok"
+
+    ok, bad = 0, None
+    batch = max(unit, (args["batch_size"] // unit) * unit)
+    while batch <= args["max_batch_limit"]:
+        r = runs(batch)
+        if r is None:
+            return None, probes
+        if not r:
+            bad = batch
+            break
+        ok, batch = batch, batch * 2
+    if bad is None:
+        return ok or None, probes  # never failed below the limit
+    lo, hi = ok, bad  # lo = 0 when the first probe failed: search below it
+    while hi - lo > max(unit, hi // 16):  # to within ~6 %: enough to compare modes
+        mid = (lo + hi) // 2 // unit * unit
+        if mid <= lo:
+            break
+        r = runs(mid)
+        if r is None:
+            return None, probes
+        if r:
+            lo = mid
+        else:
+            hi = mid
+    return lo or None, probes
+
+
 def run_dp_mode(args: dict) -> dict:
     if args["device"] != "cuda" or not torch.cuda.is_available():
         return {"mode": "dp", "status": "unavailable",
@@ -297,6 +380,9 @@ def _dp_body(args):
 
     gpus = args["gpus"] or torch.cuda.device_count()
     devices = list(range(gpus))
+    if args["mem_limit_mb"]:
+        for d in devices:
+            _cap_gpu_memory(torch.device("cuda", d), args["mem_limit_mb"])
     torch.manual_seed(0)
     wl = workloads.build(args["model"], width=args["width"], depth=args["depth"])
     inner = workloads.Checkpointed(wl.model) if args["checkpoint"] else wl.model
@@ -334,6 +420,7 @@ def _dp_body(args):
         loss = step(i)
         times.append(time.perf_counter() - t0)
     util = sampler.stop()
+    sync_ms = _profiled_comm_ms(lambda: step(args["warmup"] + args["iters"]))
     times.sort()
     median = statistics.median(times) * 1e3
     return {
@@ -342,11 +429,37 @@ def _dp_body(args):
         "samples_per_s": args["batch_size"] / (median / 1e3),
         "peak_memory_mb": [torch.cuda.max_memory_allocated(d) / 2**20 for d in devices],
         "util_percent": util,
-        # DataParallel's scatter/replicate/gather/reduce-add run inside forward and
-        # backward on the caller's streams; not separated yet.
-        "grad_sync_ms": {"total": None, "exposed": None},
+        # DataParallel communicates on the compute streams: nothing hides it.
+        "grad_sync_ms": {"total": sync_ms, "exposed": sync_ms},
         "final_loss": loss,
     }
+
+
+def _profiled_comm_ms(step) -> float:
+    """One extra iteration under torch.profiler: the busiest device's time in NCCL
+    kernels and peer-to-peer copies, i.e. DataParallel's replicate (parameter
+    broadcast), reduce-add (gradients to GPU 0), scatter and gather."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return comm_time_ms(prof.events())
+
+
+def comm_time_ms(events) -> float:
+    """Per device, the summed duration of communication kernels and copies (NCCL
+    kernels, "Memcpy PtoP"); the largest per-device sum, in ms."""
+    from torch.autograd import DeviceType
+
+    per_device: dict[int, float] = {}
+    for e in events:
+        if e.device_type != DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        if "nccl" in name or "ptop" in name:
+            per_device[e.device_index] = per_device.get(e.device_index, 0.0) + e.time_range.elapsed_us()
+    return max(per_device.values(), default=0.0) / 1e3
 
 
 class _NvmlSampler:
@@ -397,7 +510,7 @@ def table(doc: dict) -> str:
     modes = doc["modes"]
     ok = [m for m in modes if m["status"] == "ok"]
     base = next((m for m in ok if m["mode"] == "dp"), next((m for m in ok if m["mode"] == "ddp"), None))
-    cols = [m["mode"] for m in modes]
+    cols = [m.get("label", m["mode"]) for m in modes]
     rows = []
 
     def row(name, f):
@@ -416,8 +529,12 @@ def table(doc: dict) -> str:
     row("grad sync total (ms)", lambda m: "-" if m["grad_sync_ms"]["total"] is None else f"{m['grad_sync_ms']['total']:.1f}")
     row("grad sync exposed (ms)", lambda m: "-" if m["grad_sync_ms"]["exposed"] is None else f"{m['grad_sync_ms']['exposed']:.1f}")
     row("final loss", lambda m: f"{m['final_loss']:.5f}")
+    if any("max_batch" in m for m in modes):
+        rows.append("| max batch before OOM | " + " | ".join(
+            "-" if "max_batch" not in m else (str(m["max_batch"]) if m["max_batch"] else "none found")
+            for m in modes) + " |")
     head = "| metric | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols)
-    notes = [f"- {m['mode']}: {m['status']}: {m['reason']}" for m in modes if m["status"] != "ok"]
+    notes = [f"- {m.get('label', m['mode'])}: {m['status']}: {m['reason']}" for m in modes if m["status"] != "ok"]
     return "\n".join([head] + rows + ([""] + notes if notes else []))
 
 
@@ -432,7 +549,8 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=64, help="global batch")
-    ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    ap.add_argument("--bucket-cap-mb", default="25",
+                    help="DDP bucket size in MB; a comma list (1,5,25,100) sweeps it for every communicating DDP mode")
     ap.add_argument("--amp", choices=["fp16", "bf16"], default=None)
     ap.add_argument("--checkpoint", action="store_true", help="gradient checkpointing (activations recomputed in backward)")
     ap.add_argument("--accum-steps", type=int, default=1, help="gradient accumulation with no_sync()")
@@ -442,10 +560,24 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--timeout", type=float, default=120.0, help="process-group timeout (s)")
     ap.add_argument("--mode-timeout", type=float, default=300.0, help="wall-clock limit per mode (s)")
+    ap.add_argument("--find-max-batch", action="store_true",
+                    help="per mode, the largest global batch that trains without running out of memory (doubling, "
+                         "then bisection; short runs)")
+    ap.add_argument("--max-batch-limit", type=int, default=1 << 14, help="stop --find-max-batch searching here")
+    ap.add_argument("--mem-limit-mb", type=float, default=None,
+                    help="memory per device as if the card had this much (GPU: allocator cap, real OOM; "
+                         "CPU: emulated on what training adds to each rank's peak RSS)")
     ap.add_argument("--share-gpu", action="store_true", help="several DDP processes on one GPU over gloo (functional check)")
     ap.add_argument("--json"), ap.add_argument("--plot")
     a = ap.parse_args(argv)
     args = vars(a)
+    try:
+        caps = [float(c) for c in str(a.bucket_cap_mb).split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--bucket-cap-mb takes numbers, comma-separated for a sweep: {a.bucket_cap_mb!r}")
+    if not caps or min(caps) <= 0:
+        ap.error("--bucket-cap-mb must be positive")
+    args["bucket_cap_mb"] = caps[0]
     if a.model is None:
         args["model"] = "resnet50" if a.device == "cuda" else "mlp"
     world = a.world_size or (4 if a.device == "cpu" else (a.gpus or torch.cuda.device_count()))
@@ -454,20 +586,25 @@ def main(argv=None) -> int:
 
     env = envinfo.collect(torch.device("cpu"))
     env.update(world_size=world, device=a.device, model=args["model"], batch_size=a.batch_size,
-               bucket_cap_mb=a.bucket_cap_mb, amp=a.amp, checkpoint=a.checkpoint, accum_steps=a.accum_steps,
+               bucket_cap_mb=caps if len(caps) > 1 else caps[0], mem_limit_mb=a.mem_limit_mb, amp=a.amp, checkpoint=a.checkpoint, accum_steps=a.accum_steps,
                share_gpu=a.share_gpu)
     if a.share_gpu:
         env["note"] = "--share-gpu: all DDP ranks on one GPU over gloo, a functional check, not a speed figure"
     results = []
     for mode in modes:
-        print(f"# running {mode} ...", file=sys.stderr, flush=True)
-        if mode == "dp":
-            results.append(run_dp_mode(args))
-        elif mode == "ddp" or mode == "ddp:noop" or (mode.startswith("ddp:") and mode[4:] in algorithms.for_device(a.device)):
-            results.append(run_ddp_mode(mode, world, args))
-        else:
-            results.append({"mode": mode, "status": "unavailable",
-                            "reason": f"no such mode for {a.device} (modes: {', '.join(all_modes(a.device))})"})
+        # bucket_cap_mb shapes DDP's gradient buckets: swept for the modes that communicate.
+        for cap in (caps if _is_ddp(mode) and mode != "ddp:noop" else caps[:1]):
+            margs = dict(args, bucket_cap_mb=cap)
+            label = f"{mode} @{cap:g}MB" if len(caps) > 1 and _is_ddp(mode) and mode != "ddp:noop" else mode
+            print(f"# running {label} ...", file=sys.stderr, flush=True)
+            res = run_mode(mode, world, margs)
+            if _is_ddp(mode):
+                res["bucket_cap_mb"] = cap
+            if label != mode:
+                res["label"] = label
+            if a.find_max_batch and res["status"] in ("ok", "oom"):
+                res["max_batch"], res["max_batch_probes"] = find_max_batch(mode, world, margs)
+            results.append(res)
     doc = {"env": env, "modes": results}
     print("\n".join(envinfo.header_lines(env)))
     print()

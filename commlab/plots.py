@@ -40,7 +40,7 @@ def plot_bench(doc: dict, path: str) -> None:
 def plot_compare(doc: dict, path: str) -> None:
     plt = _pyplot()
     ok = [m for m in doc["modes"] if m["status"] == "ok"]
-    names = [m["mode"] for m in ok]
+    names = [m.get("label", m["mode"]) for m in ok]
     panels = [("iteration median (ms)", [m["iter_ms"]["median"] for m in ok]),
               ("peak memory, busiest (MB)", [max(m["peak_memory_mb"]) for m in ok]),
               ("grad sync exposed (ms)", [m["grad_sync_ms"]["exposed"] or 0.0 for m in ok])]

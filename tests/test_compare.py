@@ -36,3 +36,45 @@ def test_compare_cpu_modes(tmp_path, extra):
     assert max(losses) - min(losses) < 1e-5, losses
     assert modes["ddp"]["grad_sync_ms"]["total"] > 0 and modes["ddp:noop"]["grad_sync_ms"]["total"] == 0
     assert "| iteration median (ms) |" in proc.stdout and "Definitions:" in proc.stdout
+
+
+@pytest.mark.parametrize("limit,start", [(4608, 512), (100, 512), (5000, 8), (1 << 20, 64)])
+def test_find_max_batch_search(monkeypatch, limit, start):
+    """The search against a fake run that runs out of memory above `limit` (fast and
+    exact; the real runs are covered below)."""
+    from commlab import compare
+
+    seen = []
+
+    def fake(mode, world, args):
+        seen.append(args["batch_size"])
+        assert args["batch_size"] % 2 == 0  # a multiple of the world size
+        return {"mode": mode, "status": "ok" if args["batch_size"] <= limit else "oom"}
+
+    monkeypatch.setattr(compare, "run_mode", fake)
+    args = {"batch_size": start, "gpus": None, "max_batch_limit": 1 << 16, "warmup": 3, "iters": 10}
+    best, probes = compare.find_max_batch("ddp", 2, args)
+    assert [b for b, _ in probes] == seen
+    assert all((s == "ok") == (b <= limit) for b, s in probes)
+    if limit >= args["max_batch_limit"]:
+        assert best == max(seen) and best <= args["max_batch_limit"]
+        return
+    assert best is not None and best <= limit
+    assert limit - best <= max(2, limit // 8), (best, probes)  # within the search's resolution
+    assert len(probes) <= 20
+
+
+def test_emulated_memory_limit_on_cpu(tmp_path):
+    out = tmp_path / "c.json"
+    cmd = [sys.executable, "-m", "commlab.compare", "--device", "cpu", "--world-size", "2", "--modes", "ddp,ddp:shm",
+           "--model", "mlp", "--width", "64", "--depth", "2", "--batch-size", "8", "--iters", "2", "--warmup", "1",
+           "--bucket-cap-mb", "0.01,1", "--mem-limit-mb", "0.001", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]  # nothing ran: exit 1
+    doc = json.loads(out.read_text())
+    assert [(m["mode"], m["bucket_cap_mb"], m["label"]) for m in doc["modes"]] == [
+        ("ddp", 0.01, "ddp @0.01MB"), ("ddp", 1.0, "ddp @1MB"), ("ddp:shm", 0.01, "ddp:shm @0.01MB"),
+        ("ddp:shm", 1.0, "ddp:shm @1MB")]
+    for m in doc["modes"]:
+        assert m["status"] == "oom" and "emulated" in m["reason"] and "--mem-limit-mb" in m["reason"], m
