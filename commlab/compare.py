@@ -182,7 +182,7 @@ def _ddp_body(rank, world, port, mode, args):
             with ctx:
                 loss = forward_loss(x, y) / accum
                 (scaler.scale(loss) if scaler else loss).backward()
-            total += float(loss)
+            total += float(loss.detach())
         _optimizer_step(opt, scaler)
         if cuda:
             torch.cuda.synchronize()
@@ -404,7 +404,7 @@ def _dp_body(args):
             with torch.autocast("cuda", dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = wl.loss(model(x).float(), y) / args["accum_steps"]
             (scaler.scale(loss) if scaler else loss).backward()
-            total += float(loss)
+            total += float(loss.detach())
         _optimizer_step(opt, scaler)
         torch.cuda.synchronize()
         return total
