@@ -120,7 +120,8 @@ def run_bench(args) -> dict | None:
         env["cores"] = len(os.sched_getaffinity(0))
         env["llc_bytes"] = costmodel.last_level_cache_bytes()
     results = []
-    progress = Progress(len(sizes) * len(rows) * max(1, args.rounds), enabled=(rank == 0 and sys.stderr.isatty() and not args.quiet))
+    progress = Progress(len(sizes) * len(rows) * max(1, args.rounds),
+                        enabled=(rank == 0 and sys.stderr.isatty() and not args.quiet))
     for nbytes in sizes:
         count = max(nbytes // dtype.itemsize, 1)
         fill = 1 if op is Op.PRODUCT else 0  # stays finite however often it is reduced

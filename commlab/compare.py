@@ -120,6 +120,8 @@ def _ddp_rank(rank: int, world: int, port: int, mode: str, args: dict, q) -> Non
         q.put((rank, "oom", str(e).splitlines()[0]))
     except BaseException:  # noqa: BLE001 - reported in the table
         q.put((rank, "error", traceback.format_exc()))
+    finally:
+        launch.leave(together=False)  # after a failure: peers may be gone, do not wait for them
 
 
 def _ddp_body(rank, world, port, mode, args):
@@ -586,8 +588,8 @@ def main(argv=None) -> int:
 
     env = envinfo.collect(torch.device("cpu"))
     env.update(world_size=world, device=a.device, model=args["model"], batch_size=a.batch_size,
-               bucket_cap_mb=caps if len(caps) > 1 else caps[0], mem_limit_mb=a.mem_limit_mb, amp=a.amp, checkpoint=a.checkpoint, accum_steps=a.accum_steps,
-               share_gpu=a.share_gpu)
+               bucket_cap_mb=caps if len(caps) > 1 else caps[0], mem_limit_mb=a.mem_limit_mb, amp=a.amp,
+               checkpoint=a.checkpoint, accum_steps=a.accum_steps, share_gpu=a.share_gpu)
     if a.share_gpu:
         env["note"] = "--share-gpu: all DDP ranks on one GPU over gloo, a functional check, not a speed figure"
     results = []

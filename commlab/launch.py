@@ -83,8 +83,9 @@ def init(launch: Launch, backend: str, timeout_s: float, device: str) -> None:
                             world_size=launch.world_size, timeout=timeout)
 
 
-def leave() -> None:
-    """Leave the process group together and free it while the interpreter is alive.
+def leave(together: bool = True) -> None:
+    """Leave the process group (together: after a barrier) and free it while the
+    interpreter is alive.
 
     The barrier: gloo can abort a process whose peers tear their connections down while
     it still uses them. The collect: a group that only dies during interpreter shutdown
@@ -95,7 +96,8 @@ def leave() -> None:
     if not dist.is_initialized():
         return
     try:
-        dist.barrier()
+        if together:
+            dist.barrier()
     finally:
         dist.destroy_process_group()
         gc.collect()

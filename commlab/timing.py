@@ -80,7 +80,7 @@ class Interleaved:
         self._per_round: dict[object, int] = {}
         self._durations: dict[object, list[float]] = {}
 
-    def _plan(self, key, call: Callable[[], None]) -> int:
+    def _plan(self, call: Callable[[], None]) -> int:
         """Warm up once and decide how many iterations each round gets (agreed across ranks)."""
         t0 = time.perf_counter()
         for _ in range(max(self.warmup, 1)):
@@ -97,7 +97,7 @@ class Interleaved:
     def round(self, key, call: Callable[[], None]) -> None:
         """Time one round of `call`, under the name `key`."""
         if key not in self._per_round:
-            self._per_round[key] = self._plan(key, call)
+            self._per_round[key] = self._plan(call)
             self._durations[key] = []
         self._durations[key].extend(_timed(call, self.clock, self._per_round[key], self.blocking, self.device))
 
@@ -123,12 +123,3 @@ def _timed(call: Callable[[], None], clock: Clock, iters: int, blocking: bool, d
             marks.append(clock.mark())
         durations = clock.durations_us(marks)
     return slowest(durations, device)
-
-
-def time_calls(call: Callable[[], None], *, device: torch.device, iters: int | None, warmup: int,
-               blocking: bool, budget_s: float, max_iters: int) -> Timing:
-    """Time `call` (a full collective) alone: one round of Interleaved."""
-    t = Interleaved(device=device, iters=iters, warmup=warmup, blocking=blocking, budget_s=budget_s,
-                    max_iters=max_iters, rounds=1)
-    t.round(0, call)
-    return t.result(0)

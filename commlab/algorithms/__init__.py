@@ -47,4 +47,4 @@ def for_device(device_type: str) -> list[str]:
 
 _discover()
 
-__all__ = ["Algorithm", "Context", "Cost", "register", "names", "get", "for_device"]
+__all__ = ["Algorithm", "Context", "Cost", "Traffic", "register", "names", "get", "for_device"]
