@@ -4,12 +4,13 @@ commlab never keeps a process group alive: everything cached per group holds it
 weakly. A group that outlived destroy_process_group() in one of our caches would be
 torn down during interpreter shutdown instead, while gloo's worker threads still
 release tensors that need the GIL: the process aborts ("terminate called without an
-active exception", seen in CI). Cached state that must be freed with its group
-(shared-memory segments) registers a callback with on_release().
+active exception", seen in CI). PerGroup is that cache; state that must be freed
+with its group (shared-memory segments, lane threads) gets a release callback.
 """
 from __future__ import annotations
 
 import datetime
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -45,7 +46,47 @@ class GroupInfo:
         return self.global_ranks[group_rank]
 
 
-_cache: dict[int, GroupInfo] = {}
+class PerGroup:
+    """State kept per live process group, holding the group weakly: make(group) builds
+    it on first use; release(state), when given, runs once the group object is gone."""
+
+    def __init__(self, make: Callable[[dist.ProcessGroup], object], release: Callable[[object], None] | None = None):
+        self._make, self._release = make, release
+        self._items: dict[int, tuple[weakref.ref, object]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, group: dist.ProcessGroup):
+        key = id(group)
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None and item[0]() is group:
+                return item[1]
+            item = (weakref.ref(group), self._make(group))
+            self._items[key] = item
+        weakref.finalize(group, self._drop, key, item)
+        return item[1]
+
+    def pop(self, group: dist.ProcessGroup):
+        """Forget the group's state now and return it (None if there is none)."""
+        with self._lock:
+            item = self._items.pop(id(group), None)
+        return None if item is None or item[0]() is not group else item[1]
+
+    def pop_all(self) -> list:
+        with self._lock:
+            items, self._items = list(self._items.values()), {}
+        return [state for _, state in items]
+
+    def _drop(self, key: int, item) -> None:
+        with self._lock:
+            if self._items.get(key) is not item:
+                return
+            del self._items[key]
+        if self._release is not None:
+            self._release(item[1])
+
+
+_infos = PerGroup(lambda g: _lookup(g))
 
 
 def resolve(group: dist.ProcessGroup | None) -> GroupInfo:
@@ -54,18 +95,9 @@ def resolve(group: dist.ProcessGroup | None) -> GroupInfo:
     if not dist.is_available() or not dist.is_initialized():
         raise CommlabError("commlab: torch.distributed is not initialized (call dist.init_process_group first)")
     g = group if group is not None else dist.group.WORLD
-    info = _cache.get(id(g))
-    if info is not None and info.ref() is g and g in dist.distributed_c10d._world.pg_map:
-        return info
-    info = _lookup(g)
-    _cache[id(g)] = info
-    on_release(g, lambda key=id(g), info=info: _cache.pop(key, None) if _cache.get(key) is info else None)
-    return info
-
-
-def on_release(group: dist.ProcessGroup, callback: Callable[[], None]) -> None:
-    """Call callback() once the group object is gone (destroyed and unreferenced)."""
-    weakref.finalize(group, callback)
+    if g not in dist.distributed_c10d._world.pg_map:
+        return _lookup(g)  # not a member, destroyed or foreign: it explains
+    return _infos.get(g)
 
 
 def _lookup(g) -> GroupInfo:

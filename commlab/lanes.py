@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import weakref
 from typing import Callable
 
 import torch
@@ -119,23 +118,8 @@ class _Lane:
         self._q.put(None)
 
 
-_lanes: dict[int, tuple[weakref.ref, _Lane]] = {}
-_lanes_lock = threading.Lock()
+_lanes = groups.PerGroup(lambda g: _Lane(f"commlab-lane-{id(g):x}"), release=_Lane.stop)
 
 
 def lane(group) -> _Lane:
-    key = id(group)
-    with _lanes_lock:
-        entry = _lanes.get(key)
-        if entry is None or entry[0]() is not group:
-            entry = (weakref.ref(group), _Lane(f"commlab-lane-{key:x}"))
-            _lanes[key] = entry
-            groups.on_release(group, lambda key=key, entry=entry: _drop(key, entry))
-        return entry[1]
-
-
-def _drop(key: int, entry) -> None:
-    with _lanes_lock:
-        if _lanes.get(key) is entry:
-            del _lanes[key]
-    entry[1].stop()
+    return _lanes.get(group)

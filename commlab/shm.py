@@ -13,7 +13,6 @@ import atexit
 import os
 import socket
 import threading
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -56,16 +55,21 @@ def host_id() -> str:
 
 
 class _Entry:
-    def __init__(self, group):
-        self.ref = weakref.ref(group)
+    def __init__(self):
         self.comm = None
         self.unsupported: str | None = None
         self.broken: str | None = None
         self.lock = threading.Lock()
 
 
-_entries: dict[int, _Entry] = {}
-_entries_lock = threading.Lock()
+def _close(entry: "_Entry") -> None:
+    with entry.lock:
+        if entry.comm is not None:
+            entry.comm.close()
+            entry.comm = None
+
+
+_entries = groups.PerGroup(lambda g: _Entry(), release=_close)  # freed with the group
 
 
 def _gather(info: GroupInfo, value) -> list:
@@ -126,31 +130,6 @@ def _setup(entry: _Entry, info: GroupInfo) -> None:
     entry.comm = comm
 
 
-def _entry(info: GroupInfo) -> _Entry:
-    key = id(info.group)
-    with _entries_lock:
-        entry = _entries.get(key)
-        group = info.group
-        if entry is None or entry.ref() is not group:
-            if entry is not None and entry.comm is not None:
-                entry.comm.close()
-            entry = _Entry(group)
-            _entries[key] = entry
-            groups.on_release(group, lambda key=key, entry=entry: _drop(key, entry))
-    return entry
-
-
-def _drop(key: int, entry: _Entry) -> None:
-    """The group is gone: unmap its segments."""
-    with _entries_lock:
-        if _entries.get(key) is entry:
-            del _entries[key]
-    with entry.lock:
-        if entry.comm is not None:
-            entry.comm.close()
-            entry.comm = None
-
-
 def unsupported(info: GroupInfo) -> str | None:
     backend = str(dist.get_backend(info.group))
     if "gloo" not in backend and "mpi" not in backend:
@@ -159,7 +138,7 @@ def unsupported(info: GroupInfo) -> str | None:
 
 
 def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm: str) -> None:
-    entry = _entry(info)
+    entry = _entries.get(info.group)
     with entry.lock:
         if entry.comm is None and entry.unsupported is None and entry.broken is None:
             _setup(entry, info)
@@ -181,12 +160,10 @@ def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm
 
 def release(group=None) -> None:
     """Unmap the shared memory of `group` (default: all groups)."""
-    with _entries_lock:
-        keys = list(_entries) if group is None else [id(group)]
-        for k in keys:
-            entry = _entries.pop(k, None)
-            if entry is not None and entry.comm is not None:
-                entry.comm.close()
+    entries = _entries.pop_all() if group is None else [_entries.pop(group)]
+    for entry in entries:
+        if entry is not None:
+            _close(entry)
 
 
 atexit.register(release)

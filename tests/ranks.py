@@ -51,12 +51,11 @@ def _rank_main(rank, world_size, store, inq, outq, pg_timeout_s, env):
         except BaseException:
             outq.put((rank, "error", traceback.format_exc()))
     try:
-        dist.destroy_process_group()
+        from commlab import launch
+
+        launch.leave(together=False)  # peers may be gone already: no barrier
     except Exception:
         pass
-    import gc
-
-    gc.collect()  # free the group while the interpreter is alive (see commlab/launch.leave)
 
 
 class RankPool:

@@ -174,7 +174,7 @@ def test_dead_peer_is_named_not_waited_for(ranks, algorithm, victim):
 def spin_choice(rank, p):
     g = dist.new_group(list(range(p)))
     commlab.all_reduce(torch.ones(10), group=g, algorithm="shm")
-    spin = commlab.shm._entries[id(g)].comm.spin
+    spin = commlab.shm._entries.get(g).comm.spin
     dist.destroy_process_group(g)
     return spin, len(os.sched_getaffinity(0))
 
