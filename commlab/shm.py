@@ -72,29 +72,29 @@ def _close(entry: "_Entry") -> None:
 _entries = groups.PerGroup(lambda g: _Entry(), release=_close)  # freed with the group
 
 
-def _gather(info: GroupInfo, value) -> list:
+def gather(info: GroupInfo, value) -> list:
     out = [None] * info.size
     dist.all_gather_object(out, value, group=info.group)
     return out
 
 
-def _agree(info: GroupInfo, what: str, step) -> None:
+def agree(info: GroupInfo, what: str, step, transport: str = "shm") -> None:
     """Run step() on every rank; if it failed anywhere, raise the same error everywhere."""
     try:
         step()
         mine = None
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         mine = str(e)
-    errors = _gather(info, mine)
+    errors = gather(info, mine)
     failed = {info.global_rank(r): e for r, e in enumerate(errors) if e is not None}
     if failed:
         detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
-        raise CommlabError(f"commlab[shm]: {what} failed on rank(s) {sorted(failed)}: {detail}")
+        raise CommlabError(f"commlab[{transport}]: {what} failed on rank(s) {sorted(failed)}: {detail}")
 
 
 def _setup(entry: _Entry, info: GroupInfo) -> None:
     C = _ext.require()
-    facts = _gather(info, (host_id(), sorted(os.sched_getaffinity(0))))
+    facts = gather(info, (host_id(), sorted(os.sched_getaffinity(0))))
     hosts = [h for h, _ in facts]
     cores = len(set().union(*(set(cpus) for _, cpus in facts)))
     if len(set(hosts)) > 1:
@@ -105,11 +105,11 @@ def _setup(entry: _Entry, info: GroupInfo) -> None:
         entry.unsupported = ("the group spans more than one host, shared memory cannot serve it: "
                              + ", ".join(f"{h}: ranks {rs}" for h, rs in by_host.items()))
         return
-    token = torch.empty(16, dtype=torch.uint8)
-    if info.rank == 0:
-        token.copy_(torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8))
-    dist.broadcast(token, src=info.global_rank(0), group=info.group)
-    token_hex = bytes(token.tolist()).hex()
+    # An object broadcast works on any backend: the CUDA IPC transport's host-staged
+    # path sets shared memory up over NCCL groups too.
+    token = [os.urandom(16).hex() if info.rank == 0 else None]
+    dist.broadcast_object_list(token, src=info.global_rank(0), group=info.group)
+    token_hex = token[0]
     timeout_ms = int(info.timeout.total_seconds() * 1000)
     made = {}
 
@@ -117,12 +117,12 @@ def _setup(entry: _Entry, info: GroupInfo) -> None:
         made["comm"] = C.ShmComm(token_hex, info.rank, info.size, CAPACITY, timeout_ms, list(info.global_ranks))
 
     try:
-        _agree(info, "creating shared-memory segments", create)
+        agree(info, "creating shared-memory segments", create)
         comm = made["comm"]
         comm.oneshot_max = ONESHOT_MAX
         if "COMMLAB_SHM_SPIN" not in os.environ:
             comm.spin = SPIN if info.size <= cores else 0
-        _agree(info, "attaching peer segments", comm.attach)
+        agree(info, "attaching peer segments", comm.attach)
     finally:
         # Either every rank mapped every segment, or setup failed: the names go now.
         if "comm" in made:

@@ -4,6 +4,9 @@
 
 #include "cpu/reduce_n.h"
 #include "cpu/shm_comm.h"
+#ifdef COMMLAB_WITH_CUDA
+#include "cuda/ipc_comm.h"
+#endif
 
 namespace commlab {
 #ifdef COMMLAB_WITH_CUDA
@@ -62,4 +65,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("calls", &commlab::ShmComm::calls)
       .def_property("oneshot_max", &commlab::ShmComm::oneshot_max, &commlab::ShmComm::set_oneshot_max)
       .def_property("spin", &commlab::ShmComm::spin, &commlab::ShmComm::set_spin);
+
+#ifdef COMMLAB_WITH_CUDA
+  pybind11::class_<commlab::IpcComm>(m, "IpcComm", "CUDA IPC all-reduce among processes on distinct, peer-capable GPUs")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, std::vector<int64_t>>(), pybind11::arg("rank"),
+           pybind11::arg("world"), pybind11::arg("device"), pybind11::arg("capacity"), pybind11::arg("timeout_ms"),
+           pybind11::arg("global_ranks"))
+      .def("handle", &commlab::IpcComm::handle)
+      .def("open", &commlab::IpcComm::open, pybind11::arg("handles"))
+      .def("connect_local", &commlab::IpcComm::connect_local, pybind11::arg("block_addresses"))
+      .def_property_readonly("block_address", &commlab::IpcComm::block_address)
+      .def("allreduce", &commlab::IpcComm::allreduce, pybind11::arg("tensor"), pybind11::arg("op"),
+           pybind11::arg("mode"), pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "in place, synchronous; mode 0 auto, 1 one-shot, 2 two-shot")
+      .def("close", &commlab::IpcComm::close)
+      .def_property_readonly("capacity", &commlab::IpcComm::capacity)
+      .def_property_readonly("calls", &commlab::IpcComm::calls)
+      .def_property_readonly("failed_peer", &commlab::IpcComm::failed_peer)
+      .def_property("oneshot_max", &commlab::IpcComm::oneshot_max, &commlab::IpcComm::set_oneshot_max)
+      .def_property("max_blocks", &commlab::IpcComm::max_blocks, &commlab::IpcComm::set_max_blocks);
+#endif
 }

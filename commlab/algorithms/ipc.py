@@ -1,0 +1,34 @@
+"""All-reduce of CUDA tensors on one host without NCCL: CUDA IPC one-/two-shot kernels
+when every GPU can read every other's memory, host-staged shared memory otherwise
+(GPUs without P2P, or several processes on one GPU)."""
+from .. import _ext, ipc
+from .base import Algorithm, Cost
+
+
+class CudaIpc(Algorithm):
+    name = "ipc"
+    summary = "CUDA IPC on one host: P2P one-/two-shot kernels, or staged through host shared memory"
+    formula = ("p2p one-shot: α + (p-1)·n·β(peer reads) + (p-1)·nγ;  two-shot: 2α + 2(p-1)/p·n·β + (p-1)/p·nγ; "
+               "staged: + 2n over PCIe (copy to and from host) + shm's cost")
+    wins_when = "GPUs of one host with NVLink/PCIe P2P and small to medium messages (latency-bound)"
+    devices = ("cuda",)
+    order = 80
+    mode = 0  # auto: one-shot up to COMMLAB_IPC_ONESHOT_MAX
+
+    def cost(self, p, nbytes):
+        if nbytes <= ipc.ONESHOT_MAX:
+            return Cost(1, (p - 1) * nbytes, (p - 1) * nbytes)
+        return Cost(2, 2 * (p - 1) / p * nbytes, (p - 1) / p * nbytes)
+
+    def unsupported(self, tensor, op, info):
+        if _ext.C is None:
+            return f"commlab._C is not built ({_ext.IMPORT_ERROR})"
+        if not _ext.HAS_CUDA:
+            return "commlab._C was built without CUDA kernels (no CUDA toolkit at build time, or COMMLAB_NO_CUDA=1)"
+        return None
+
+    def run(self, buf, op, ctx):
+        ipc.all_reduce(buf, int(op), self.mode, ctx.info, self.name)
+
+
+ALGORITHM = CudaIpc()

@@ -1,0 +1,183 @@
+"""All-reduce of CUDA tensors among the processes of one host, one communicator per
+process group, set up on first use and cached.
+
+Two paths, chosen once per group from facts every rank reports, so every rank takes
+the same one:
+- "p2p": every rank on its own GPU and every pair able to read each other's memory.
+  commlab._C.IpcComm: CUDA IPC buffers exchanged through the group, one-/two-shot
+  kernels with release/acquire flag barriers (vLLM's design) that carry a deadline.
+- "staged": GPUs without P2P (the seed's RTX 4090s) or several processes on one GPU.
+  Processes sharing a GPU are time-sliced, so a kernel that spins waiting for another
+  process's kernel can wait forever; the data goes through pinned host memory and the
+  shared-memory transport instead, which synchronises on the host.
+COMMLAB_IPC_PATH=p2p|staged overrides the choice (p2p on a shared GPU will hang
+until the group's timeout: for experiments only).
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from . import _ext, groups, shm
+from .errors import CommlabError, PeerError, UnsupportedError
+from .groups import GroupInfo
+
+PATH_P2P, PATH_STAGED = "p2p", "staged"
+# Bytes per IPC data buffer (two per rank, by call parity); larger tensors go in pieces.
+CAPACITY = int(os.environ.get("COMMLAB_IPC_CAPACITY", str(16 << 20)))
+# Up to this many bytes every rank reduces all inputs (one barrier); above, two-shot.
+ONESHOT_MAX = int(os.environ.get("COMMLAB_IPC_ONESHOT_MAX", str(256 << 10)))
+# Thread blocks per kernel: every block of every rank must be resident at once for
+# the barriers to complete, so keep this well under the SM count.
+MAX_BLOCKS = int(os.environ.get("COMMLAB_IPC_MAX_BLOCKS", "32"))
+MAX_P2P_RANKS = 8
+
+
+def device_facts(device: torch.device) -> dict:
+    """What this rank tells the others about its GPU (all plain data)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    reach = {}
+    for d in range(torch.cuda.device_count()):
+        if d != index:
+            reach[str(torch.cuda.get_device_properties(d).uuid)] = bool(torch.cuda.can_device_access_peer(index, d))
+    return {"host": shm.host_id(), "uuid": uuid, "index": index, "pid": os.getpid(), "reach": reach}
+
+
+def choose_path(facts: list[dict], forced: str | None = None) -> tuple[str | None, str]:
+    """(path, why) from every rank's device_facts; path None means unsupported."""
+    hosts = {f["host"] for f in facts}
+    if len(hosts) > 1:
+        return None, "the group spans more than one host; CUDA IPC works within one host only"
+    if forced:
+        if forced not in (PATH_P2P, PATH_STAGED):
+            return None, f"COMMLAB_IPC_PATH must be {PATH_P2P} or {PATH_STAGED}, got {forced!r}"
+        return forced, f"forced by COMMLAB_IPC_PATH={forced}"
+    uuids = [f["uuid"] for f in facts]
+    if len(set(uuids)) < len(uuids):
+        shared = sorted({u for u in uuids if uuids.count(u) > 1})
+        ranks = [r for r, u in enumerate(uuids) if u in shared]
+        return PATH_STAGED, (f"group ranks {ranks} share a GPU: time-sliced processes cannot meet at an "
+                             "in-kernel barrier, so data is staged through host shared memory")
+    if len(facts) > MAX_P2P_RANKS:
+        return PATH_STAGED, f"more than {MAX_P2P_RANKS} ranks: the P2P kernels take at most {MAX_P2P_RANKS}"
+    for r, f in enumerate(facts):
+        for q, g in enumerate(facts):
+            if q != r and not f["reach"].get(g["uuid"], False):
+                why = "cannot access" if g["uuid"] in f["reach"] else "does not see"
+                return PATH_STAGED, (f"group rank {r}'s GPU {why} group rank {q}'s GPU directly (no P2P), "
+                                     "so data is staged through host shared memory")
+    return PATH_P2P, "every GPU can read every other's memory (P2P)"
+
+
+class _Entry:
+    def __init__(self):
+        self.comm = None
+        self.path: str | None = None
+        self.why = ""
+        self.device: int | None = None
+        self.pids: list[int] = []
+        self.unsupported: str | None = None
+        self.broken: str | None = None
+        self.lock = threading.Lock()
+
+
+def _close(entry: _Entry) -> None:
+    with entry.lock:
+        if entry.comm is not None:
+            entry.comm.close()
+            entry.comm = None
+
+
+_entries = groups.PerGroup(lambda g: _Entry(), release=_close)
+
+
+def _setup(entry: _Entry, info: GroupInfo, device: torch.device) -> None:
+    facts = shm.gather(info, device_facts(device))
+    path, why = choose_path(facts, os.environ.get("COMMLAB_IPC_PATH") or None)
+    if path is None:
+        entry.unsupported = why
+        return
+    entry.path, entry.why = path, why
+    entry.device = facts[info.rank]["index"]
+    entry.pids = [f["pid"] for f in facts]
+    if path == PATH_STAGED:
+        return  # the shared-memory transport sets itself up on the first call
+    C = _ext.require()
+    made = {}
+
+    def create():
+        made["comm"] = C.IpcComm(info.rank, info.size, entry.device, CAPACITY,
+                                 int(info.timeout.total_seconds() * 1000), list(info.global_ranks))
+
+    shm.agree(info, "allocating CUDA IPC buffers", create, "ipc")
+    comm = made["comm"]
+    comm.oneshot_max = ONESHOT_MAX
+    comm.max_blocks = MAX_BLOCKS
+    handles = shm.gather(info, comm.handle())
+    shm.agree(info, "mapping peers' CUDA IPC buffers", lambda: comm.open(handles), "ipc")
+    entry.comm = comm
+
+
+def path_of(group) -> tuple[str | None, str]:
+    """The path a group's ipc communicator took, and why (None before the first call)."""
+    entry = _entries.get(group)
+    return entry.path, entry.why
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm: str) -> None:
+    entry = _entries.get(info.group)
+    with entry.lock:
+        if entry.path is None and entry.unsupported is None:
+            _setup(entry, info, buf.device)
+        if entry.unsupported:
+            raise UnsupportedError(f"commlab[{algorithm}]: {entry.unsupported}")
+        if entry.broken:
+            raise CommlabError(f"commlab[{algorithm}]: this group's CUDA IPC is unusable after: {entry.broken}")
+        if buf.device.index != entry.device:
+            raise CommlabError(f"commlab[{algorithm}]: this group's communicator lives on cuda:{entry.device}, "
+                               f"the tensor is on {buf.device}")
+        if entry.path == PATH_STAGED:
+            _staged(buf, op, info, algorithm)
+            return
+        try:
+            entry.comm.allreduce(buf, op, mode)
+        except RuntimeError as e:
+            msg = str(e)
+            lost = entry.comm.failed_peer
+            entry.broken = msg
+            entry.comm.close()
+            entry.comm = None
+            if lost >= 0:
+                pid = entry.pids[lost]
+                msg += f" [rank {info.global_rank(lost)} is pid {pid}, {'alive' if _alive(pid) else 'dead'}]"
+            raise PeerError(f"commlab[{algorithm}]: {msg}", algorithm=algorithm,
+                            peer=info.global_rank(lost) if lost >= 0 else None) from None
+
+
+def _staged(buf: torch.Tensor, op: int, info: GroupInfo, algorithm: str) -> None:
+    # Pinned memory makes the copies DMA at full speed; the caching host allocator
+    # keeps it from being reused while a copy is still in flight.
+    host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+    host.copy_(buf)  # waits for the producer's stream, then for the copy
+    shm.all_reduce(host, op, shm.MODE_AUTO, info, algorithm)
+    buf.copy_(host, non_blocking=True)
+
+
+def release(group=None) -> None:
+    entries = _entries.pop_all() if group is None else [_entries.pop(group)]
+    for entry in entries:
+        if entry is not None:
+            _close(entry)

@@ -1,0 +1,189 @@
+// Host side of the CUDA IPC all-reduce (protocol in ipc_comm.h, kernels in
+// ipc_kernels.cu). Plain C++: compiled only into CUDA builds.
+#ifdef COMMLAB_WITH_CUDA
+#include "ipc_comm.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "ipc_kernels.h"
+#include "torch_dtype.h"
+
+namespace commlab {
+
+using ipc::kMaxBlocks;
+using ipc::kMaxRanks;
+using ipc::kSignalBytes;
+using ipc::kThreads;
+using IpcError = ipc::Error;
+
+IpcComm::IpcComm(int64_t rank, int64_t world, int64_t device, int64_t capacity, int64_t timeout_ms,
+                 std::vector<int64_t> global_ranks)
+    : rank_(static_cast<int>(rank)),
+      world_(static_cast<int>(world)),
+      device_(static_cast<int>(device)),
+      capacity_(capacity),
+      timeout_ms_(timeout_ms),
+      oneshot_max_(256 << 10),
+      max_blocks_(32),
+      global_ranks_(std::move(global_ranks)) {
+  TORCH_CHECK(world_ >= 1 && world_ <= kMaxRanks, "commlab ipc: group size must be 1..", kMaxRanks, ", got ", world);
+  TORCH_CHECK(rank_ >= 0 && rank_ < world_, "commlab ipc: rank ", rank, " outside a group of ", world);
+  TORCH_CHECK(capacity_ >= 4096 && capacity_ % 256 == 0, "commlab ipc: capacity must be a multiple of 256, >= 4096");
+  TORCH_CHECK(static_cast<int>(global_ranks_.size()) == world_, "commlab ipc: need one global rank per group rank");
+  TORCH_CHECK(timeout_ms_ > 0, "commlab ipc: timeout must be positive");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  C10_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&block_), kSignalBytes + 2 * capacity_));
+  C10_CUDA_CHECK(cudaMemset(block_, 0, kSignalBytes));
+  // Zeroed before any peer can map the block (the handle is exchanged after this).
+  C10_CUDA_CHECK(cudaDeviceSynchronize());
+  C10_CUDA_CHECK(cudaHostAlloc(&error_host_, sizeof(IpcError), cudaHostAllocMapped));
+  std::memset(error_host_, 0, sizeof(IpcError));
+  static_cast<IpcError*>(error_host_)->peer = -1;
+  C10_CUDA_CHECK(cudaHostGetDevicePointer(&error_dev_, error_host_, 0));
+  peers_.assign(world_, nullptr);
+  opened_.assign(world_, false);
+  peers_[rank_] = block_;
+}
+
+IpcComm::~IpcComm() {
+  try {
+    close();
+  } catch (...) {
+    // The CUDA context may already be gone at interpreter exit.
+  }
+}
+
+pybind11::bytes IpcComm::handle() const {
+  TORCH_CHECK(block_ != nullptr, "commlab ipc: communicator is closed");
+  cudaIpcMemHandle_t h;
+  C10_CUDA_CHECK(cudaIpcGetMemHandle(&h, block_));
+  return pybind11::bytes(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+void IpcComm::open(const std::vector<std::string>& handles) {
+  TORCH_CHECK(block_ != nullptr, "commlab ipc: communicator is closed");
+  TORCH_CHECK(static_cast<int>(handles.size()) == world_, "commlab ipc: need ", world_, " handles, got ", handles.size());
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  for (int q = 0; q < world_; ++q) {
+    if (q == rank_) continue;
+    TORCH_CHECK(handles[q].size() == sizeof(cudaIpcMemHandle_t), "commlab ipc: rank ", global_ranks_[q],
+                " sent a handle of ", handles[q].size(), " bytes, expected ", sizeof(cudaIpcMemHandle_t));
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handles[q].data(), sizeof(h));
+    void* p = nullptr;
+    const cudaError_t rc = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    if (rc != cudaSuccess) {
+      cudaGetLastError();
+      TORCH_CHECK(false, "commlab ipc: cannot map rank ", global_ranks_[q], "'s buffer on GPU ", device_, ": ",
+                  cudaGetErrorString(rc));
+    }
+    peers_[q] = static_cast<char*>(p);
+    opened_[q] = true;
+  }
+  connected_ = true;
+}
+
+void IpcComm::connect_local(const std::vector<int64_t>& block_addresses) {
+  TORCH_CHECK(static_cast<int>(block_addresses.size()) == world_, "commlab ipc: need ", world_, " addresses");
+  for (int q = 0; q < world_; ++q) {
+    if (q != rank_) peers_[q] = reinterpret_cast<char*>(block_addresses[q]);
+  }
+  connected_ = true;
+}
+
+void IpcComm::set_max_blocks(int64_t n) {
+  TORCH_CHECK(n >= 1 && n <= kMaxBlocks, "commlab ipc: max_blocks must be 1..", kMaxBlocks);
+  max_blocks_ = static_cast<int>(n);
+}
+
+void IpcComm::check_usable() const {
+  TORCH_CHECK(block_ != nullptr, "commlab ipc: communicator is closed");
+  TORCH_CHECK(connected_, "commlab ipc: peers' buffers are not mapped yet");
+  if (!broken_.empty()) throw std::runtime_error("commlab ipc: unusable after an earlier failure: " + broken_);
+}
+
+void IpcComm::allreduce(const torch::Tensor& t, int64_t op, int64_t mode) {
+  check_usable();
+  TORCH_CHECK(t.is_cuda() && t.get_device() == device_, "commlab ipc: tensor must be on cuda:", device_,
+              ", got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), "commlab ipc: tensor must be contiguous");
+  TORCH_CHECK(op >= 0 && op <= 3, "commlab ipc: op code must be 0..3");
+  TORCH_CHECK(mode >= 0 && mode <= 2, "commlab ipc: mode must be 0 auto, 1 one-shot or 2 two-shot");
+  const int64_t numel = t.numel();
+  if (numel == 0 || world_ == 1) return;
+  const int64_t elsize = t.element_size();
+  const int64_t chunk = capacity_ / elsize;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_));
+  const DType dtype = to_dtype(t.scalar_type(), "ipc");
+  ipc::Launch launch{};
+  for (int q = 0; q < world_; ++q) launch.blocks[q] = peers_[q];
+  launch.rank = rank_;
+  launch.world = world_;
+  launch.op = static_cast<int>(op);
+  launch.timeout_ns = static_cast<uint64_t>(timeout_ms_) * 1000000ull;
+  launch.err = static_cast<IpcError*>(error_dev_);
+  char* base = static_cast<char*>(t.data_ptr());
+  for (int64_t off = 0; off < numel; off += chunk) {
+    const int64_t n = std::min(chunk, numel - off);
+    const uint32_t seq = ++seq_;
+    const int64_t data_offset = kSignalBytes + static_cast<int64_t>(seq & 1) * capacity_;
+    C10_CUDA_CHECK(cudaMemcpyAsync(block_ + data_offset, base + off * elsize, n * elsize, cudaMemcpyDeviceToDevice,
+                                   stream));
+    const bool two_shot = mode == 2 || (mode == 0 && n * elsize > oneshot_max_);
+    const int64_t work = two_shot ? (n + world_ - 1) / world_ : n;
+    // Same on every rank (a function of the call alone): block b meets block b.
+    const int grid = static_cast<int>(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, max_blocks_));
+    launch.data_offset = data_offset;
+    launch.out = base + off * elsize;
+    launch.numel = n;
+    launch.grid = grid;
+    launch.seq = seq;
+    launch.two_shot = two_shot;
+    C10_CUDA_CHECK(ipc::launch_allreduce(dtype, launch, stream));
+  }
+  // The deadline is enforced on the GPU; the host learns of a give-up only once the
+  // stream drained, so the call is synchronous (like gloo's CUDA path).
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const auto* e = static_cast<const volatile IpcError*>(error_host_);
+  if (e->peer >= 0) {
+    std::ostringstream msg;
+    msg << "commlab ipc: rank " << global_ranks_[rank_] << " waited for rank " << global_ranks_[e->peer]
+        << " at the " << (e->barrier == 0 ? "start" : "middle") << " barrier of call " << e->seq;
+    if (e->relayed) {
+      msg << ": rank " << global_ranks_[e->peer] << " had given up after losing rank " << global_ranks_[e->lost];
+    } else {
+      msg << " for more than " << timeout_ms_ << " ms (it had reached call " << e->seen << ")";
+    }
+    broken_ = msg.str();
+    failed_peer_ = e->relayed ? e->lost : e->peer;
+    throw std::runtime_error(broken_);
+  }
+}
+
+void IpcComm::close() {
+  if (block_ == nullptr) return;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  for (int q = 0; q < world_; ++q) {
+    if (opened_[q]) cudaIpcCloseMemHandle(peers_[q]);
+    opened_[q] = false;
+    if (q != rank_) peers_[q] = nullptr;
+  }
+  cudaFree(block_);
+  block_ = nullptr;
+  if (error_host_ != nullptr) cudaFreeHost(error_host_);
+  error_host_ = error_dev_ = nullptr;
+  cudaGetLastError();  // nothing to report at teardown
+  connected_ = false;
+}
+
+}  // namespace commlab
+#endif  // COMMLAB_WITH_CUDA

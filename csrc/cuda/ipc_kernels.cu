@@ -1,0 +1,148 @@
+// CUDA IPC all-reduce kernels; the protocol is described in ipc_comm.h.
+#include "ipc_kernels.h"
+
+#include <cuda_runtime.h>
+
+#include "device_ops.cuh"
+
+namespace commlab {
+namespace ipc {
+namespace {
+
+// Lives at the start of each rank's block. Peers write their arrival into our slots
+// (slot [block][peer]); we only read them. `abort` says whom this rank gave up on.
+struct Signal {
+  alignas(128) uint32_t start[kMaxBlocks][kMaxRanks];
+  alignas(128) uint32_t mid[kMaxBlocks][kMaxRanks];
+  alignas(128) int abort;  // 0, or 1 + the group rank this rank stopped waiting for
+};
+static_assert(sizeof(Signal) <= kSignalBytes, "signal area too small");
+
+__device__ __forceinline__ void st_release(uint32_t* addr, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%1], %0;" ::"r"(v), "l"(addr) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* addr) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int ld_volatile(const int* addr) { return *reinterpret_cast<const volatile int*>(addr); }
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Every block meets the same block of every peer. Thread t < world announces this
+// block's arrival in peer t's slot (release: the block's earlier writes, ordered by
+// the __syncthreads, become visible first) and waits for peer t's arrival in ours
+// (acquire, "this call or later"). Returns false when it gave up: the peer missed the
+// deadline, or some rank (this one's other blocks, or the peer) already gave up.
+__device__ bool barrier(const Launch& a, int which) {
+  __shared__ int failed;
+  __syncthreads();
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  if (threadIdx.x < a.world) {
+    const int t = threadIdx.x;
+    Signal* peer = reinterpret_cast<Signal*>(a.blocks[t]);
+    Signal* self = reinterpret_cast<Signal*>(a.blocks[a.rank]);
+    st_release(which == 0 ? &peer->start[blockIdx.x][a.rank] : &peer->mid[blockIdx.x][a.rank], a.seq);
+    const uint32_t* in = which == 0 ? &self->start[blockIdx.x][t] : &self->mid[blockIdx.x][t];
+    uint64_t t0 = 0;
+    for (uint32_t spins = 1;; ++spins) {
+      const uint32_t seen = ld_acquire(in);
+      if (static_cast<int32_t>(seen - a.seq) >= 0) break;
+      if ((spins & 255) != 0) continue;
+      __nanosleep(200);
+      const uint64_t now = global_ns();
+      if (t0 == 0) t0 = now;
+      const int peer_abort = ld_volatile(&peer->abort);
+      const bool expired = now - t0 > a.timeout_ns;
+      if (!expired && peer_abort == 0 && ld_volatile(&self->abort) == 0) continue;
+      // The first give-up of this rank records why; other blocks just leave.
+      if (atomicCAS(&self->abort, 0, t + 1) == 0) {
+        a.err->peer = t;
+        a.err->barrier = which;
+        a.err->relayed = peer_abort != 0 && !expired;
+        a.err->lost = peer_abort - 1;
+        a.err->seq = a.seq;
+        a.err->seen = seen;
+        __threadfence_system();
+      }
+      failed = 1;
+      break;
+    }
+  }
+  __syncthreads();
+  return failed == 0;
+}
+
+template <typename T>
+__device__ __forceinline__ T reduce_at(const T* const* in, int world, int64_t i, int op) {
+  using E = Elem<T>;
+  typename E::Acc acc = E::load(in[0][i]);
+  for (int k = 1; k < world; ++k) acc = combine(acc, E::load(in[k][i]), op);
+  return E::store(acc);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) allreduce_kernel(Launch a) {
+  if (!barrier(a, 0)) return;
+  const T* in[kMaxRanks];
+  for (int k = 0; k < a.world; ++k) in[k] = reinterpret_cast<const T*>(a.blocks[k] + a.data_offset);
+  T* out = static_cast<T*>(a.out);
+  const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (!a.two_shot) {
+    for (int64_t i = first; i < a.numel; i += stride) out[i] = reduce_at(in, a.world, i, a.op);
+    return;
+  }
+  // Reduce-scatter: slice r, reduced in place in our own buffer. Peers read other
+  // slices of it meanwhile, never this one, until after the middle barrier. The
+  // (block, thread) that reduces element j of a slice is the one that gathers it on
+  // every rank, so a per-block barrier is enough.
+  const int64_t part = (a.numel + a.world - 1) / a.world;
+  auto slice_len = [&](int q) {
+    const int64_t end = (q + 1) * part < a.numel ? (q + 1) * part : a.numel;
+    return end > q * part ? end - q * part : int64_t{0};
+  };
+  {
+    const int64_t lo = a.rank * part, n = slice_len(a.rank);
+    T* mine = reinterpret_cast<T*>(a.blocks[a.rank] + a.data_offset) + lo;
+    for (int64_t j = first; j < n; j += stride) mine[j] = reduce_at(in, a.world, lo + j, a.op);
+  }
+  if (!barrier(a, 1)) return;
+  for (int q = 0; q < a.world; ++q) {
+    const int64_t lo = q * part, n = slice_len(q);
+    const T* src = in[q] + lo;
+    for (int64_t j = first; j < n; j += stride) out[lo + j] = src[j];
+  }
+}
+
+template <typename T>
+cudaError_t launch(const Launch& a, cudaStream_t stream) {
+  allreduce_kernel<T><<<a.grid, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_allreduce(DType dtype, const Launch& a, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kF32: return launch<float>(a, stream);
+    case DType::kF64: return launch<double>(a, stream);
+    case DType::kF16: return launch<__half>(a, stream);
+    case DType::kBF16: return launch<__nv_bfloat16>(a, stream);
+    case DType::kI32: return launch<int32_t>(a, stream);
+    case DType::kI64: return launch<int64_t>(a, stream);
+    case DType::kU8: return launch<uint8_t>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace ipc
+}  // namespace commlab

@@ -1,0 +1,45 @@
+// Launch interface of the CUDA IPC all-reduce kernels (ipc_kernels.cu). Kept free of
+// torch headers on purpose: nvcc spends minutes per target on them, the kernels need
+// none, so the kernels compile in seconds and the host side (ipc_comm.cpp) is C++.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "dtype.h"
+
+namespace commlab {
+namespace ipc {
+
+constexpr int kMaxRanks = 8;     // one node's GPUs
+constexpr int kMaxBlocks = 64;   // every block of every rank must be resident at once
+constexpr int kThreads = 512;
+constexpr int64_t kSignalBytes = 64 << 10;  // signal area; keeps the data buffers aligned
+
+// Host-mapped: the host reads it once the stream finished, without a copy.
+struct Error {
+  int peer;     // group rank waited for in vain, -1 when none
+  int barrier;  // 0 start, 1 middle
+  int relayed;  // 1 when that peer had itself given up on `lost`
+  int lost;
+  uint32_t seq;
+  uint32_t seen;
+};
+
+struct Launch {
+  char* blocks[kMaxRanks];  // every rank's block as this device sees it
+  int64_t data_offset;      // where this call's input sits in every block
+  void* out;                // the caller's chunk
+  int64_t numel;
+  int rank, world, op, grid;
+  uint32_t seq;
+  bool two_shot;
+  uint64_t timeout_ns;
+  Error* err;               // device view of the host-mapped Error
+};
+
+cudaError_t launch_allreduce(DType dtype, const Launch& args, cudaStream_t stream);
+
+}  // namespace ipc
+}  // namespace commlab

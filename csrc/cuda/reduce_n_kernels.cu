@@ -1,0 +1,48 @@
+// CUDA twin of csrc/cpu/reduce_n.cpp: out = in[0] op in[1] op ... in fixed order,
+// each input read once, 16-bit floats accumulated in float32.
+#include "reduce_n_kernels.h"
+
+#include <cuda_runtime.h>
+
+#include "device_ops.cuh"
+
+namespace commlab {
+namespace {
+
+template <typename T>
+__global__ void reduce_n_kernel(T* out, ReduceInputs in, int n, int64_t numel, int op) {
+  using E = Elem<T>;
+  const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < numel; i += stride) {
+    typename E::Acc acc = E::load(static_cast<const T*>(in.p[0])[i]);
+    for (int k = 1; k < n; ++k) acc = combine(acc, E::load(static_cast<const T*>(in.p[k])[i]), op);
+    out[i] = E::store(acc);
+  }
+}
+
+template <typename T>
+cudaError_t launch(void* out, const ReduceInputs& in, int n, int64_t numel, int op, cudaStream_t stream) {
+  const int threads = 256;
+  const int64_t want = (numel + threads - 1) / threads;
+  const int blocks = static_cast<int>(want < 4096 ? want : 4096);
+  reduce_n_kernel<T><<<blocks, threads, 0, stream>>>(static_cast<T*>(out), in, n, numel, op);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_reduce_n(DType dtype, void* out, const ReduceInputs& in, int n, int64_t numel, int op,
+                            cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kF32: return launch<float>(out, in, n, numel, op, stream);
+    case DType::kF64: return launch<double>(out, in, n, numel, op, stream);
+    case DType::kF16: return launch<__half>(out, in, n, numel, op, stream);
+    case DType::kBF16: return launch<__nv_bfloat16>(out, in, n, numel, op, stream);
+    case DType::kI32: return launch<int32_t>(out, in, n, numel, op, stream);
+    case DType::kI64: return launch<int64_t>(out, in, n, numel, op, stream);
+    case DType::kU8: return launch<uint8_t>(out, in, n, numel, op, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace commlab

@@ -1,0 +1,210 @@
+"""The CUDA `ipc` algorithm: path choice (runs anywhere), refusals, and on a GPU the
+P2P kernels (several communicators in one process, one stream each, so one GPU can
+run them concurrently), their deadline, and the host-staged path with 2 and 4
+processes sharing the GPU."""
+import threading
+
+import pytest
+import torch
+
+import commlab
+from commlab import _ext, ipc
+from commlab.errors import UnsupportedError
+
+
+def facts(uuids, reach=None, hosts=None):
+    out = []
+    for r, u in enumerate(uuids):
+        seen = {v: True for v in set(uuids) if v != u} if reach is None else reach[r]
+        out.append({"host": (hosts or ["h"] * len(uuids))[r], "uuid": u, "index": r, "pid": 100 + r, "reach": seen})
+    return out
+
+
+def test_distinct_peer_gpus_take_p2p():
+    path, why = ipc.choose_path(facts(["a", "b", "c", "d"]))
+    assert path == ipc.PATH_P2P, why
+
+
+def test_shared_gpu_is_staged_and_names_the_ranks():
+    path, why = ipc.choose_path(facts(["a", "a", "b", "b"]))
+    assert path == ipc.PATH_STAGED
+    assert "[0, 1, 2, 3]" in why and "share a GPU" in why
+
+
+def test_missing_p2p_is_staged():
+    # The seed's RTX 4090s: each GPU sees the others but cannot access them.
+    reach = [{"b": False}, {"a": False}]
+    path, why = ipc.choose_path(facts(["a", "b"], reach))
+    assert path == ipc.PATH_STAGED and "cannot access" in why
+    # A rank that does not even see its peer's GPU (CUDA_VISIBLE_DEVICES per rank).
+    path, why = ipc.choose_path(facts(["a", "b"], [{}, {}]))
+    assert path == ipc.PATH_STAGED and "does not see" in why
+
+
+def test_one_way_p2p_is_not_enough():
+    path, _ = ipc.choose_path(facts(["a", "b"], [{"b": True}, {"a": False}]))
+    assert path == ipc.PATH_STAGED
+
+
+def test_more_ranks_than_the_kernels_take_are_staged():
+    uuids = [f"g{i}" for i in range(ipc.MAX_P2P_RANKS + 1)]
+    assert ipc.choose_path(facts(uuids))[0] == ipc.PATH_STAGED
+
+
+def test_two_hosts_are_refused():
+    path, why = ipc.choose_path(facts(["a", "b"], hosts=["h1", "h2"]))
+    assert path is None and "more than one host" in why
+
+
+def test_forced_path_and_bad_override():
+    assert ipc.choose_path(facts(["a", "a"]), "p2p")[0] == ipc.PATH_P2P
+    path, why = ipc.choose_path(facts(["a", "b"]), "nvlink")
+    assert path is None and "COMMLAB_IPC_PATH" in why
+
+
+def test_ipc_is_a_cuda_algorithm():
+    alg = commlab.get_algorithm("ipc")
+    assert alg.devices == ("cuda",)
+    assert "ipc" in commlab.algorithms.for_device("cuda")
+    assert "ipc" not in commlab.algorithms.for_device("cpu")
+
+
+def cpu_tensor_refused(rank, p):
+    try:
+        commlab.all_reduce(torch.ones(3), algorithm="ipc")
+    except UnsupportedError as e:
+        return str(e)
+    return None
+
+
+def test_cpu_tensors_are_refused_on_every_rank(ranks):
+    for msg in ranks.run(2, cpu_tensor_refused):
+        assert msg and "tensors on cpu are not supported" in msg and "cuda" in msg
+
+
+# --- on a GPU ---------------------------------------------------------------
+
+needs_kernels = pytest.mark.skipif(not _ext.HAS_CUDA, reason="commlab._C built without CUDA")
+
+
+def local_group(world, capacity=1 << 16, timeout_ms=20_000, blocks=4):
+    """`world` communicators in this process, wired to each other's blocks."""
+    comms = [_ext.C.IpcComm(r, world, 0, capacity, timeout_ms, list(range(world))) for r in range(world)]
+    for c in comms:
+        c.max_blocks = blocks  # world*blocks blocks must be resident together on one GPU
+        c.connect_local([d.block_address for d in comms])
+    return comms
+
+
+def run_concurrently(comms, tensors, op, mode):
+    """Each communicator on its own thread and stream, like ranks in their processes."""
+    errors = [None] * len(comms)
+
+    def one(r):
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                comms[r].allreduce(tensors[r], op, mode)
+        except Exception as e:  # noqa: BLE001
+            errors[r] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(comms))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "an ipc call hung past its deadline"
+    return errors
+
+
+OPS = {0: torch.add, 1: torch.mul, 2: torch.minimum, 3: torch.maximum}
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("mode", [1, 2, 0])
+def test_p2p_kernels_in_one_process(world, mode):
+    comms = local_group(world)
+    try:
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8):
+            # 1, odd, not divisible by world, and larger than a 64 KiB buffer (pieces).
+            for n in (1, 7, 1000, 40_001):
+                for op, fold in OPS.items():
+                    if op == 1 and dtype != torch.float64:
+                        base = [torch.randint(1, 3, (n,), dtype=torch.int64) for _ in range(world)]
+                    else:
+                        base = [torch.randint(0, 50, (n,), dtype=torch.int64) for _ in range(world)]
+                    inputs = [b.to(dtype) for b in base]
+                    want = inputs[0].to(torch.float64)
+                    for x in inputs[1:]:
+                        want = fold(want, x.to(torch.float64))
+                    tensors = [x.cuda() for x in inputs]
+                    errors = run_concurrently(comms, tensors, op, mode)
+                    assert errors == [None] * world, errors
+                    got = [t.cpu() for t in tensors]
+                    for r in range(1, world):
+                        assert torch.equal(got[r], got[0]), f"rank {r} differs ({dtype}, n={n}, op={op})"
+                    assert torch.equal(got[0], want.to(dtype)), f"{dtype} n={n} op={op} mode={mode}"
+    finally:
+        for c in comms:
+            c.close()
+
+
+@pytest.mark.gpu
+@needs_kernels
+def test_p2p_random_floats_are_bitwise_identical():
+    comms = local_group(4)
+    try:
+        for n in (3, 5000, 100_000):
+            tensors = [torch.randn(n, device="cuda") for _ in range(4)]
+            assert run_concurrently(comms, tensors, 0, 0) == [None] * 4
+            for t in tensors[1:]:
+                assert torch.equal(t, tensors[0])
+    finally:
+        for c in comms:
+            c.close()
+
+
+@pytest.mark.gpu
+@needs_kernels
+def test_p2p_deadline_names_the_missing_rank():
+    comms = local_group(2, timeout_ms=300)
+    try:
+        x = torch.ones(1000, device="cuda")
+        with pytest.raises(RuntimeError, match=r"waited for rank 1 at the start barrier"):
+            comms[0].allreduce(x, 0, 0)  # rank 1 never comes
+        assert comms[0].failed_peer == 1
+        with pytest.raises(RuntimeError, match="unusable after an earlier failure"):
+            comms[0].allreduce(x, 0, 0)
+    finally:
+        for c in comms:
+            c.close()
+
+
+def staged_sweep(rank, p):
+    torch.cuda.set_device(0)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for n in (1, 3, 1000, 100_003):
+            x = (torch.arange(n, device="cuda") % 11 + rank).to(dtype)
+            commlab.all_reduce(x, algorithm="ipc")
+            want = (p * (torch.arange(n, device="cuda") % 11) + sum(range(p))).to(dtype)
+            if not torch.equal(x, want):
+                out.append(f"{dtype} n={n}: {(x != want).sum().item()} wrong")
+    y = torch.randn(64, 65, device="cuda").t()  # non-contiguous, different on every rank
+    commlab.all_reduce(y, op=torch.distributed.ReduceOp.MAX, algorithm="ipc")
+    y = y.cpu().contiguous()
+    gathered = [torch.empty_like(y) for _ in range(p)]
+    torch.distributed.all_gather(gathered, y)
+    if any(not torch.equal(g, gathered[0]) for g in gathered):
+        out.append("ranks differ")
+    path, _ = ipc.path_of(torch.distributed.group.WORLD)
+    return out, path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_staged_path_with_processes_sharing_a_gpu(ranks, world):
+    for wrong, path in ranks.run(world, staged_sweep):
+        assert path == ipc.PATH_STAGED
+        assert not wrong, wrong
