@@ -49,7 +49,7 @@ def _helper(rank: int, world_size: int, port: int) -> None:
     import commlab
 
     _init(rank, world_size, port)
-    names = commlab.algorithm_names()
+    names = commlab.algorithms.for_device("cpu")
     while True:
         kind, a, b, calls = _plan()
         if kind == STOP:
@@ -104,7 +104,7 @@ class BenchGroup:
         import commlab
 
         self.world_size = world_size
-        self.names = commlab.algorithm_names()
+        self.names = commlab.algorithms.for_device("cpu")
         port = _port()
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=_helper, args=(r, world_size, port), daemon=True)

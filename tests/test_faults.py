@@ -12,7 +12,7 @@ import commlab
 from commlab import _ext
 from ranks import RankPool
 
-PURE = [a for a in commlab.algorithm_names() if not a.startswith("shm")]
+PURE = [a for a in commlab.algorithms.for_device("cpu") if not a.startswith("shm")]
 
 
 def mismatches(rank, p):
@@ -200,7 +200,7 @@ def groups_are_not_kept_alive(rank, p):
 
     before = _commlab_mappings()
     out = {}
-    for name in commlab.algorithm_names():
+    for name in commlab.algorithms.for_device("cpu"):
         g = dist.new_group(list(range(p)))
         x = torch.ones(1000)
         commlab.all_reduce(x, group=g, algorithm=name)
@@ -217,7 +217,7 @@ def groups_are_not_kept_alive(rank, p):
 def test_destroyed_groups_are_released(ranks):
     for res in ranks.run(3, groups_are_not_kept_alive):
         assert res.pop("mappings left") == 0
-        assert res == {n: ("freed", 9.0) for n in commlab.algorithm_names()}, res
+        assert res == {n: ("freed", 9.0) for n in commlab.algorithms.for_device("cpu")}, res
 
 
 def killed_mid_collective(rank, p, algorithm, victim, delay_s):
@@ -245,11 +245,11 @@ def killed_mid_collective(rank, p, algorithm, victim, delay_s):
     return {"type": None, "calls": calls}
 
 
-@pytest.mark.parametrize("algorithm", commlab.algorithm_names())
+@pytest.mark.parametrize("algorithm", commlab.algorithms.for_device("cpu"))
 def test_rank_killed_inside_a_collective(algorithm):
     # A delay per algorithm, fixed so a failure reproduces, spread so the kill lands at
     # different phases of a call.
-    delay = 0.2 + 0.37 * (commlab.algorithm_names().index(algorithm) % 5)
+    delay = 0.2 + 0.37 * (commlab.algorithms.for_device("cpu").index(algorithm) % 5)
     pool = RankPool(3, pg_timeout_s=10)
     res = pool.run_faulty(killed_mid_collective, algorithm, 1, delay, timeout=90)
     assert res[1][0] == "missing", res[1]

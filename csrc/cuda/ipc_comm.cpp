@@ -40,6 +40,7 @@ IpcComm::IpcComm(int64_t rank, int64_t world, int64_t device, int64_t capacity, 
   TORCH_CHECK(static_cast<int>(global_ranks_.size()) == world_, "commlab ipc: need one global rank per group rank");
   TORCH_CHECK(timeout_ms_ > 0, "commlab ipc: timeout must be positive");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  C10_CUDA_CHECK(ipc::preload());
   C10_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&block_), kSignalBytes + 2 * capacity_));
   C10_CUDA_CHECK(cudaMemset(block_, 0, kSignalBytes));
   // Zeroed before any peer can map the block (the handle is exchanged after this).

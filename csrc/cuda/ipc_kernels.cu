@@ -131,6 +131,24 @@ cudaError_t launch(const Launch& a, cudaStream_t stream) {
 
 }  // namespace
 
+cudaError_t preload() {
+  // Loading every instantiation now matters under lazy module loading (CUDA's
+  // default): a kernel loaded on first launch while another kernel of this process
+  // spins at a barrier waiting for it can wait forever.
+  cudaFuncAttributes attr;
+  cudaError_t rc = cudaSuccess;
+  for (cudaError_t r : {cudaFuncGetAttributes(&attr, allreduce_kernel<float>),
+                        cudaFuncGetAttributes(&attr, allreduce_kernel<double>),
+                        cudaFuncGetAttributes(&attr, allreduce_kernel<__half>),
+                        cudaFuncGetAttributes(&attr, allreduce_kernel<__nv_bfloat16>),
+                        cudaFuncGetAttributes(&attr, allreduce_kernel<int32_t>),
+                        cudaFuncGetAttributes(&attr, allreduce_kernel<int64_t>),
+                        cudaFuncGetAttributes(&attr, allreduce_kernel<uint8_t>)}) {
+    if (r != cudaSuccess) rc = r;
+  }
+  return rc;
+}
+
 cudaError_t launch_allreduce(DType dtype, const Launch& a, cudaStream_t stream) {
   switch (dtype) {
     case DType::kF32: return launch<float>(a, stream);

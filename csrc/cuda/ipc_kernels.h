@@ -39,6 +39,9 @@ struct Launch {
   Error* err;               // device view of the host-mapped Error
 };
 
+// Loads every kernel of this file now (see ipc_kernels.cu).
+cudaError_t preload();
+
 cudaError_t launch_allreduce(DType dtype, const Launch& args, cudaStream_t stream);
 
 }  // namespace ipc
