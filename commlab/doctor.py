@@ -70,6 +70,10 @@ def check_gpus() -> list[Check]:
         out.append(Check(PASS if missing == 0 else WARN, "GPU P2P", "matrix " + " ".join(rows),
                          "without P2P (e.g. RTX 4090) intra-node traffic goes through host memory: "
                          "prefer DDP with NCCL over DP, whose GPU 0 then copies everything through the host"))
+        from . import ipc
+
+        path, why = ipc.choose_path([ipc.device_facts(torch.device("cuda", i)) for i in range(n)])
+        out.append(Check(PASS, "commlab ipc", f"one process per GPU takes the {path} path: {why}"))
     out.append(_nvlink(n))
     return out
 
