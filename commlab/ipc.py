@@ -21,7 +21,7 @@ import threading
 import torch
 
 from . import _ext, groups, shm
-from .errors import CommlabError, PeerError, UnsupportedError
+from .errors import CollectiveMismatchError, CommlabError, PeerError, UnsupportedError
 from .groups import GroupInfo
 
 PATH_P2P, PATH_STAGED = "p2p", "staged"
@@ -160,6 +160,8 @@ def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm
             entry.broken = msg
             entry.comm.close()
             entry.comm = None
+            if "mismatch" in msg:
+                raise CollectiveMismatchError(f"commlab[{algorithm}]: {msg}") from None
             if lost >= 0:
                 pid = entry.pids[lost]
                 msg += f" [rank {info.global_rank(lost)} is pid {pid}, {'alive' if _alive(pid) else 'dead'}]"

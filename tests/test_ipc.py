@@ -181,6 +181,21 @@ def test_p2p_deadline_names_the_missing_rank():
             c.close()
 
 
+@pytest.mark.gpu
+@needs_kernels
+def test_p2p_mismatched_calls_fail_on_every_rank():
+    comms = local_group(2)
+    try:
+        tensors = [torch.ones(1000, device="cuda"), torch.ones(999, device="cuda")]
+        errors = run_concurrently(comms, tensors, 0, 1)
+        for e in errors:
+            assert isinstance(e, RuntimeError) and "mismatch" in str(e), errors
+        assert "1000 elements" in str(errors[0]) and "999 elements" in str(errors[0])
+    finally:
+        for c in comms:
+            c.close()
+
+
 def staged_sweep(rank, p):
     torch.cuda.set_device(0)
     out = []

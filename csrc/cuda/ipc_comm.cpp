@@ -149,12 +149,27 @@ void IpcComm::allreduce(const torch::Tensor& t, int64_t op, int64_t mode) {
     launch.grid = grid;
     launch.seq = seq;
     launch.two_shot = two_shot;
+    launch.code = ipc::call_code(static_cast<int>(dtype), static_cast<int>(op), two_shot);
     C10_CUDA_CHECK(ipc::launch_allreduce(dtype, launch, stream));
   }
   // The deadline is enforced on the GPU; the host learns of a give-up only once the
   // stream drained, so the call is synchronous (like gloo's CUDA path).
   C10_CUDA_CHECK(cudaStreamSynchronize(stream));
   const auto* e = static_cast<const volatile IpcError*>(error_host_);
+  if (e->peer >= 0 && e->mismatch) {
+    auto describe = [](int64_t seq, int64_t numel, int64_t code) {
+      std::ostringstream d;
+      d << "call " << seq << " with " << numel << " elements (dtype code " << (code & 0xff) << ", op " << ((code >> 8) & 0xff)
+        << ", " << ((code >> 16) & 1 ? "two-shot" : "one-shot") << ")";
+      return d.str();
+    };
+    std::ostringstream msg;
+    msg << "commlab ipc: mismatch: rank " << global_ranks_[rank_] << " runs "
+        << describe(e->seq, e->my_numel, e->my_code) << "; rank " << global_ranks_[e->peer] << " runs "
+        << describe(e->their_seq, e->their_numel, e->their_code);
+    broken_ = msg.str();
+    throw std::runtime_error(broken_);
+  }
   if (e->peer >= 0) {
     std::ostringstream msg;
     msg << "commlab ipc: rank " << global_ranks_[rank_] << " waited for rank " << global_ranks_[e->peer]

@@ -15,6 +15,7 @@ struct Signal {
   alignas(128) uint32_t start[kMaxBlocks][kMaxRanks];
   alignas(128) uint32_t mid[kMaxBlocks][kMaxRanks];
   alignas(128) int abort;  // 0, or 1 + the group rank this rank stopped waiting for
+  alignas(128) int64_t info[2][3];  // by call parity: seq, numel, call_code
 };
 static_assert(sizeof(Signal) <= kSignalBytes, "signal area too small");
 
@@ -81,6 +82,37 @@ __device__ bool barrier(const Launch& a, int which) {
   return failed == 0;
 }
 
+// Block 0 compares every peer's record of this call with its own (written before
+// the start barrier, so the barrier's acquire made it visible). On a difference it
+// gives up like a timed-out barrier; the other blocks notice through `abort`.
+__device__ bool same_call(const Launch& a) {
+  __shared__ int bad;
+  if (threadIdx.x == 0) bad = 0;
+  __syncthreads();
+  if (threadIdx.x < a.world) {
+    const int t = threadIdx.x;
+    const volatile int64_t* info = reinterpret_cast<Signal*>(a.blocks[t])->info[a.seq & 1];
+    const int64_t seq = info[0], numel = info[1], code = info[2];
+    if (seq != a.seq || numel != a.numel || code != a.code) {
+      Signal* self = reinterpret_cast<Signal*>(a.blocks[a.rank]);
+      if (atomicCAS(&self->abort, 0, t + 1) == 0) {
+        a.err->peer = t;
+        a.err->seq = a.seq;
+        a.err->mismatch = 1;
+        a.err->my_numel = a.numel;
+        a.err->my_code = a.code;
+        a.err->their_seq = seq;
+        a.err->their_numel = numel;
+        a.err->their_code = code;
+        __threadfence_system();
+      }
+      bad = 1;
+    }
+  }
+  __syncthreads();
+  return bad == 0;
+}
+
 template <typename T>
 __device__ __forceinline__ T reduce_at(const T* const* in, int world, int64_t i, int op) {
   using E = Elem<T>;
@@ -91,7 +123,14 @@ __device__ __forceinline__ T reduce_at(const T* const* in, int world, int64_t i,
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) allreduce_kernel(Launch a) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    volatile int64_t* mine = reinterpret_cast<Signal*>(a.blocks[a.rank])->info[a.seq & 1];
+    mine[0] = a.seq;
+    mine[1] = a.numel;
+    mine[2] = a.code;
+  }
   if (!barrier(a, 0)) return;
+  if (blockIdx.x == 0 && !same_call(a)) return;
   const T* in[kMaxRanks];
   for (int k = 0; k < a.world; ++k) in[k] = reinterpret_cast<const T*>(a.blocks[k] + a.data_offset);
   T* out = static_cast<T*>(a.out);

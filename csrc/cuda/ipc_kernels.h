@@ -19,13 +19,19 @@ constexpr int64_t kSignalBytes = 64 << 10;  // signal area; keeps the data buffe
 
 // Host-mapped: the host reads it once the stream finished, without a copy.
 struct Error {
-  int peer;     // group rank waited for in vain, -1 when none
-  int barrier;  // 0 start, 1 middle
-  int relayed;  // 1 when that peer had itself given up on `lost`
+  int peer;      // group rank waited for in vain or called differently, -1 when none
+  int barrier;   // 0 start, 1 middle
+  int relayed;   // 1 when that peer had itself given up on `lost`
   int lost;
   uint32_t seq;
   uint32_t seen;
+  int mismatch;  // 1 when the peer's call differs: its record follows
+  int64_t my_numel, my_code, their_seq, their_numel, their_code;
 };
+
+// What every rank must agree on for a call, compared on the GPU after the first
+// barrier (a mismatch would otherwise read garbage or wait out the deadline).
+inline int64_t call_code(int dtype, int op, bool two_shot) { return dtype | (op << 8) | (int64_t{two_shot} << 16); }
 
 struct Launch {
   char* blocks[kMaxRanks];  // every rank's block as this device sees it
@@ -35,6 +41,7 @@ struct Launch {
   int rank, world, op, grid;
   uint32_t seq;
   bool two_shot;
+  int64_t code;             // call_code() of this call
   uint64_t timeout_ns;
   Error* err;               // device view of the host-mapped Error
 };
