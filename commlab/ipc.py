@@ -15,6 +15,7 @@ until the group's timeout: for experiments only).
 """
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 
@@ -157,9 +158,9 @@ def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm
         except RuntimeError as e:
             msg = str(e)
             lost = entry.comm.failed_peer
+            # The communicator refuses further calls, but its memory stays mapped until the
+            # group goes: peers still waiting read our abort word from it to give up at once.
             entry.broken = msg
-            entry.comm.close()
-            entry.comm = None
             if "mismatch" in msg:
                 raise CollectiveMismatchError(f"commlab[{algorithm}]: {msg}") from None
             if lost >= 0:
@@ -183,3 +184,7 @@ def release(group=None) -> None:
     for entry in entries:
         if entry is not None:
             _close(entry)
+
+
+# Free the CUDA allocations and IPC mappings while the CUDA context still exists.
+atexit.register(release)
