@@ -99,6 +99,7 @@ def local_group(world, capacity=1 << 16, timeout_ms=20_000, blocks=4):
 def run_concurrently(comms, tensors, op, mode):
     """Each communicator on its own thread and stream, like ranks in their processes."""
     errors = [None] * len(comms)
+    torch.cuda.synchronize()  # the inputs' uploads ran on the default stream
 
     def one(r):
         try:
