@@ -82,6 +82,7 @@ class Interleaved:
 
     def _plan(self, call: Callable[[], None]) -> int:
         """Warm up once and decide how many iterations each round gets (agreed across ranks)."""
+        call()  # the first call may set a transport up (shared memory, IPC): not a sample of its speed
         t0 = time.perf_counter()
         for _ in range(max(self.warmup, 1)):
             call()
@@ -117,6 +118,9 @@ def _timed(call: Callable[[], None], clock: Clock, iters: int, blocking: bool, d
             call()
             durations.extend(clock.durations_us([start, clock.mark()]))
     else:
+        # A barrier releases the ranks up to milliseconds apart when they outnumber the
+        # cores; one untimed call lines them up again, so the first sample is not skew.
+        call()
         marks = [clock.mark()]
         for _ in range(iters):
             call()
