@@ -145,7 +145,11 @@ ShmComm::ShmComm(const std::string& token_hex, int64_t rank, int64_t world, int6
       timeout_ms_(timeout_ms),
       oneshot_max_(env_int("COMMLAB_SHM_ONESHOT_MAX", 128 << 10)),
       spin_(env_int("COMMLAB_SHM_SPIN", 256)),
-      yield_us_(env_int("COMMLAB_SHM_YIELD_US", 200)),
+      // 2 ms of yielding before a futex sleep: with 4 ranks on 2 cores, 16-256 KiB calls
+      // wait 100-300 us, and a 200 us window sent them to sleep (and a costly wake-up)
+      // often enough to lose to MPICH somewhere in 16-128 KiB in 4 of 4 runs; with 2 ms
+      // in 1 of 6 (by 4-10 %). 1-16 MiB did not change measurably.
+      yield_us_(env_int("COMMLAB_SHM_YIELD_US", 2000)),
       global_ranks_(std::move(global_ranks)) {
   TORCH_CHECK(token_.size() == 32, "commlab shm: token must be 32 hex characters");
   TORCH_CHECK(world_ >= 1 && rank_ >= 0 && rank_ < world_, "commlab shm: bad rank/world");
