@@ -66,16 +66,17 @@ class PerGroup:
         weakref.finalize(group, self._drop, key, item)
         return item[1]
 
-    def pop(self, group: dist.ProcessGroup):
-        """Forget the group's state now and return it (None if there is none)."""
+    def free(self, group: dist.ProcessGroup | None = None) -> None:
+        """Forget the state of `group` (default: every group) now, and release it."""
         with self._lock:
-            item = self._items.pop(id(group), None)
-        return None if item is None or item[0]() is not group else item[1]
-
-    def pop_all(self) -> list:
-        with self._lock:
-            items, self._items = list(self._items.values()), {}
-        return [state for _, state in items]
+            if group is None:
+                items, self._items = list(self._items.values()), {}
+            else:
+                item = self._items.pop(id(group), None)
+                items = [] if item is None or item[0]() is not group else [item]
+        if self._release is not None:
+            for _, state in items:
+                self._release(state)
 
     def _drop(self, key: int, item) -> None:
         with self._lock:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import threading
 
 import torch
 
@@ -73,26 +72,16 @@ def choose_path(facts: list[dict], forced: str | None = None) -> tuple[str | Non
     return PATH_P2P, "every GPU can read every other's memory (P2P)"
 
 
-class _Entry:
+class _Entry(shm.Entry):
     def __init__(self):
-        self.comm = None
+        super().__init__()
         self.path: str | None = None
         self.why = ""
         self.device: int | None = None
         self.pids: list[int] = []
-        self.unsupported: str | None = None
-        self.broken: str | None = None
-        self.lock = threading.Lock()
 
 
-def _close(entry: _Entry) -> None:
-    with entry.lock:
-        if entry.comm is not None:
-            entry.comm.close()
-            entry.comm = None
-
-
-_entries = groups.PerGroup(lambda g: _Entry(), release=_close)
+_entries = groups.PerGroup(lambda g: _Entry(), release=_Entry.close)
 
 
 def _setup(entry: _Entry, info: GroupInfo, device: torch.device) -> None:
@@ -180,10 +169,8 @@ def _staged(buf: torch.Tensor, op: int, info: GroupInfo, algorithm: str) -> None
 
 
 def release(group=None) -> None:
-    entries = _entries.pop_all() if group is None else [_entries.pop(group)]
-    for entry in entries:
-        if entry is not None:
-            _close(entry)
+    """Free the CUDA IPC buffers of `group` (default: all groups)."""
+    _entries.free(group)
 
 
 # Free the CUDA allocations and IPC mappings while the CUDA context still exists.

@@ -54,22 +54,23 @@ def host_id() -> str:
     return "/".join(parts)
 
 
-class _Entry:
+class Entry:
+    """A group's transport state (the CUDA IPC transport extends it)."""
+
     def __init__(self):
         self.comm = None
         self.unsupported: str | None = None
         self.broken: str | None = None
         self.lock = threading.Lock()
 
+    def close(self) -> None:
+        with self.lock:
+            if self.comm is not None:
+                self.comm.close()
+                self.comm = None
 
-def _close(entry: "_Entry") -> None:
-    with entry.lock:
-        if entry.comm is not None:
-            entry.comm.close()
-            entry.comm = None
 
-
-_entries = groups.PerGroup(lambda g: _Entry(), release=_close)  # freed with the group
+_entries = groups.PerGroup(lambda g: Entry(), release=Entry.close)  # freed with the group
 
 
 def gather(info: GroupInfo, value) -> list:
@@ -92,7 +93,7 @@ def agree(info: GroupInfo, what: str, step, transport: str = "shm") -> None:
         raise CommlabError(f"commlab[{transport}]: {what} failed on rank(s) {sorted(failed)}: {detail}")
 
 
-def _setup(entry: _Entry, info: GroupInfo) -> None:
+def _setup(entry: Entry, info: GroupInfo) -> None:
     C = _ext.require()
     facts = gather(info, (host_id(), sorted(os.sched_getaffinity(0))))
     hosts = [h for h, _ in facts]
@@ -160,10 +161,7 @@ def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm
 
 def release(group=None) -> None:
     """Unmap the shared memory of `group` (default: all groups)."""
-    entries = _entries.pop_all() if group is None else [_entries.pop(group)]
-    for entry in entries:
-        if entry is not None:
-            _close(entry)
+    _entries.free(group)
 
 
 atexit.register(release)

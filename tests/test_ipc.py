@@ -2,6 +2,7 @@
 P2P kernels (several communicators in one process, one stream each, so one GPU can
 run them concurrently), their deadline, and the host-staged path with 2 and 4
 processes sharing the GPU."""
+import contextlib
 import threading
 
 import pytest
@@ -87,13 +88,18 @@ def test_cpu_tensors_are_refused_on_every_rank(ranks):
 needs_kernels = pytest.mark.skipif(not _ext.HAS_CUDA, reason="commlab._C built without CUDA")
 
 
+@contextlib.contextmanager
 def local_group(world, capacity=1 << 16, timeout_ms=20_000, blocks=4):
     """`world` communicators in this process, wired to each other's blocks."""
     comms = [_ext.C.IpcComm(r, world, 0, capacity, timeout_ms, list(range(world))) for r in range(world)]
-    for c in comms:
-        c.max_blocks = blocks  # world*blocks blocks must be resident together on one GPU
-        c.connect_local([d.block_address for d in comms])
-    return comms
+    try:
+        for c in comms:
+            c.max_blocks = blocks  # world*blocks blocks must be resident together on one GPU
+            c.connect_local([d.block_address for d in comms])
+        yield comms
+    finally:
+        for c in comms:
+            c.close()
 
 
 def run_concurrently(comms, tensors, op, mode):
@@ -125,8 +131,7 @@ OPS = {0: torch.add, 1: torch.mul, 2: torch.minimum, 3: torch.maximum}
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("mode", [1, 2, 0])
 def test_p2p_kernels_in_one_process(world, mode):
-    comms = local_group(world)
-    try:
+    with local_group(world) as comms:
         for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8):
             # 1, odd, not divisible by world, and larger than a 64 KiB buffer (pieces).
             for n in (1, 7, 1000, 40_001):
@@ -146,55 +151,40 @@ def test_p2p_kernels_in_one_process(world, mode):
                     for r in range(1, world):
                         assert torch.equal(got[r], got[0]), f"rank {r} differs ({dtype}, n={n}, op={op})"
                     assert torch.equal(got[0], want.to(dtype)), f"{dtype} n={n} op={op} mode={mode}"
-    finally:
-        for c in comms:
-            c.close()
 
 
 @pytest.mark.gpu
 @needs_kernels
 def test_p2p_random_floats_are_bitwise_identical():
-    comms = local_group(4)
-    try:
+    with local_group(4) as comms:
         for n in (3, 5000, 100_000):
             tensors = [torch.randn(n, device="cuda") for _ in range(4)]
             assert run_concurrently(comms, tensors, 0, 0) == [None] * 4
             for t in tensors[1:]:
                 assert torch.equal(t, tensors[0])
-    finally:
-        for c in comms:
-            c.close()
 
 
 @pytest.mark.gpu
 @needs_kernels
 def test_p2p_deadline_names_the_missing_rank():
-    comms = local_group(2, timeout_ms=300)
-    try:
+    with local_group(2, timeout_ms=300) as comms:
         x = torch.ones(1000, device="cuda")
         with pytest.raises(RuntimeError, match=r"waited for rank 1 at the start barrier"):
             comms[0].allreduce(x, 0, 0)  # rank 1 never comes
         assert comms[0].failed_peer == 1
         with pytest.raises(RuntimeError, match="unusable after an earlier failure"):
             comms[0].allreduce(x, 0, 0)
-    finally:
-        for c in comms:
-            c.close()
 
 
 @pytest.mark.gpu
 @needs_kernels
 def test_p2p_mismatched_calls_fail_on_every_rank():
-    comms = local_group(2)
-    try:
+    with local_group(2) as comms:
         tensors = [torch.ones(1000, device="cuda"), torch.ones(999, device="cuda")]
         errors = run_concurrently(comms, tensors, 0, 1)
         for e in errors:
             assert isinstance(e, RuntimeError) and "mismatch" in str(e), errors
         assert "1000 elements" in str(errors[0]) and "999 elements" in str(errors[0])
-    finally:
-        for c in comms:
-            c.close()
 
 
 def staged_sweep(rank, p):

@@ -6,6 +6,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -52,6 +53,22 @@ __device__ __forceinline__ A combine(A a, A b, int op) {
       if (is_nan(b)) return b;
       return b > a ? b : a;
   }
+}
+
+// Host side: calls f(static_cast<T*>(nullptr)) with T the element type of `dtype`
+// (the launchers' one switch over types).
+template <typename F>
+cudaError_t dispatch(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kF32: return f(static_cast<float*>(nullptr));
+    case DType::kF64: return f(static_cast<double*>(nullptr));
+    case DType::kF16: return f(static_cast<__half*>(nullptr));
+    case DType::kBF16: return f(static_cast<__nv_bfloat16*>(nullptr));
+    case DType::kI32: return f(static_cast<int32_t*>(nullptr));
+    case DType::kI64: return f(static_cast<int64_t*>(nullptr));
+    case DType::kU8: return f(static_cast<uint8_t*>(nullptr));
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace commlab

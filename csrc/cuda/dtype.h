@@ -4,6 +4,7 @@
 
 namespace commlab {
 
+// kU8 stays last: ipc::preload() walks the values up to it.
 enum class DType : int { kF32 = 0, kF64, kF16, kBF16, kI32, kI64, kU8 };
 
 }  // namespace commlab

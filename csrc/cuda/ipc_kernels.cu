@@ -162,12 +162,6 @@ __global__ void __launch_bounds__(kThreads) allreduce_kernel(Launch a) {
   }
 }
 
-template <typename T>
-cudaError_t launch(const Launch& a, cudaStream_t stream) {
-  allreduce_kernel<T><<<a.grid, kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 cudaError_t preload() {
@@ -176,29 +170,21 @@ cudaError_t preload() {
   // spins at a barrier waiting for it can wait forever.
   cudaFuncAttributes attr;
   cudaError_t rc = cudaSuccess;
-  for (cudaError_t r : {cudaFuncGetAttributes(&attr, allreduce_kernel<float>),
-                        cudaFuncGetAttributes(&attr, allreduce_kernel<double>),
-                        cudaFuncGetAttributes(&attr, allreduce_kernel<__half>),
-                        cudaFuncGetAttributes(&attr, allreduce_kernel<__nv_bfloat16>),
-                        cudaFuncGetAttributes(&attr, allreduce_kernel<int32_t>),
-                        cudaFuncGetAttributes(&attr, allreduce_kernel<int64_t>),
-                        cudaFuncGetAttributes(&attr, allreduce_kernel<uint8_t>)}) {
+  for (int d = 0; d <= static_cast<int>(DType::kU8); ++d) {
+    const cudaError_t r = dispatch(static_cast<DType>(d), [&](auto* tag) {
+      return cudaFuncGetAttributes(&attr, allreduce_kernel<std::remove_pointer_t<decltype(tag)>>);
+    });
     if (r != cudaSuccess) rc = r;
   }
   return rc;
 }
 
 cudaError_t launch_allreduce(DType dtype, const Launch& a, cudaStream_t stream) {
-  switch (dtype) {
-    case DType::kF32: return launch<float>(a, stream);
-    case DType::kF64: return launch<double>(a, stream);
-    case DType::kF16: return launch<__half>(a, stream);
-    case DType::kBF16: return launch<__nv_bfloat16>(a, stream);
-    case DType::kI32: return launch<int32_t>(a, stream);
-    case DType::kI64: return launch<int64_t>(a, stream);
-    case DType::kU8: return launch<uint8_t>(a, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    allreduce_kernel<T><<<a.grid, kThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace ipc

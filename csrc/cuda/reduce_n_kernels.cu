@@ -20,29 +20,18 @@ __global__ void reduce_n_kernel(T* out, ReduceInputs in, int n, int64_t numel, i
   }
 }
 
-template <typename T>
-cudaError_t launch(void* out, const ReduceInputs& in, int n, int64_t numel, int op, cudaStream_t stream) {
-  const int threads = 256;
-  const int64_t want = (numel + threads - 1) / threads;
-  const int blocks = static_cast<int>(want < 4096 ? want : 4096);
-  reduce_n_kernel<T><<<blocks, threads, 0, stream>>>(static_cast<T*>(out), in, n, numel, op);
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 cudaError_t launch_reduce_n(DType dtype, void* out, const ReduceInputs& in, int n, int64_t numel, int op,
                             cudaStream_t stream) {
-  switch (dtype) {
-    case DType::kF32: return launch<float>(out, in, n, numel, op, stream);
-    case DType::kF64: return launch<double>(out, in, n, numel, op, stream);
-    case DType::kF16: return launch<__half>(out, in, n, numel, op, stream);
-    case DType::kBF16: return launch<__nv_bfloat16>(out, in, n, numel, op, stream);
-    case DType::kI32: return launch<int32_t>(out, in, n, numel, op, stream);
-    case DType::kI64: return launch<int64_t>(out, in, n, numel, op, stream);
-    case DType::kU8: return launch<uint8_t>(out, in, n, numel, op, stream);
-  }
-  return cudaErrorInvalidValue;
+  const int threads = 256;
+  const int64_t want = (numel + threads - 1) / threads;
+  const int blocks = static_cast<int>(want < 4096 ? want : 4096);
+  return dispatch(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    reduce_n_kernel<T><<<blocks, threads, 0, stream>>>(static_cast<T*>(out), in, n, numel, op);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace commlab
