@@ -141,22 +141,31 @@ def unsupported(info: GroupInfo) -> str | None:
 def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm: str) -> None:
     entry = _entries.get(info.group)
     with entry.lock:
-        if entry.comm is None and entry.unsupported is None and entry.broken is None:
-            _setup(entry, info)
-        if entry.unsupported:
-            raise UnsupportedError(f"commlab[{algorithm}]: {entry.unsupported}")
-        if entry.broken:
-            raise CommlabError(f"commlab[{algorithm}]: this group's shared memory is unusable after: {entry.broken}")
+        comm = entry.comm
+        if comm is None:
+            comm = _ready(entry, info, algorithm)
         try:
-            entry.comm.allreduce(buf, op, mode)
+            comm.allreduce(buf, op, mode)
         except RuntimeError as e:
             # A failed call leaves peers at unknown phases: the communicator is done.
             msg = str(e)
             entry.broken = msg
-            entry.comm.close()
+            entry.comm = None
+            comm.close()
             if "mismatch" in msg:
                 raise CollectiveMismatchError(f"commlab[{algorithm}]: {msg}") from None
             raise PeerError(f"commlab[{algorithm}]: {msg}", algorithm=algorithm, peer=None) from None
+
+
+def _ready(entry: Entry, info: GroupInfo, algorithm: str):
+    """The group's communicator, set up on first use; raises if it cannot be had."""
+    if entry.unsupported is None and entry.broken is None:
+        _setup(entry, info)
+    if entry.unsupported:
+        raise UnsupportedError(f"commlab[{algorithm}]: {entry.unsupported}")
+    if entry.broken:
+        raise CommlabError(f"commlab[{algorithm}]: this group's shared memory is unusable after: {entry.broken}")
+    return entry.comm
 
 
 def release(group=None) -> None:
