@@ -5,7 +5,8 @@
     mpiexec -n 4 python -m commlab.allreduce_bench                   # adds an `mpi` row
 
 algbw = S/t (GB/s, 1e9 bytes); busbw = algbw·2(p-1)/p, comparable to link speed
-whatever the algorithm. Times are medians over iterations of the slowest rank.
+whatever the algorithm. t is nccl-tests' time: a loop's duration over its iterations,
+slowest rank; the median per call (slowest rank per call) is printed beside it.
 """
 from __future__ import annotations
 
@@ -143,12 +144,12 @@ def run_bench(args) -> dict | None:
                 dist.all_reduce(wrong_t)
                 wrong = int(wrong_t.item())
             size = count * dtype.itemsize
-            algbw = size / t.median_us / 1e3
+            algbw = size / t.mean_us / 1e3
             results.append({
                 "algorithm": row.name, "bytes": size, "count": count, "dtype": str(dtype).replace("torch.", ""),
-                "op": op.name.lower(), "time_us": t.median_us, "algbw_gbps": algbw,
+                "op": op.name.lower(), "time_us": t.mean_us, "algbw_gbps": algbw,
                 "busbw_gbps": algbw * algorithms.Algorithm.busbw_factor(p), "wrong": wrong,
-                "p10_us": t.p10_us, "p90_us": t.p90_us, "iters": t.iters,
+                "p50_us": t.median_us, "p10_us": t.p10_us, "p90_us": t.p90_us, "iters": t.iters,
             })
     progress.done()
     return {"env": env, "results": results} if rank == 0 else None
@@ -194,14 +195,14 @@ def report(doc: dict) -> str:
     lines = envinfo.header_lines(env)
     lines.append("#")
     lines.append(f"# {'size':>10} {'count':>10} {'type':>8} {'redop':>6} {'algorithm':>11} {'time(us)':>10} "
-                 f"{'algbw':>7} {'busbw':>7} {'#wrong':>6} {'model(us)':>10} {'vs builtin':>10}")
+                 f"{'p50 call':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'model(us)':>10} {'vs builtin':>10}")
     for r in results:
         f = fits.get(r["algorithm"])
         model = f"{f.predict_us(p, r['bytes']):10.1f}" if f else f"{'-':>10}"
         vs = f"{base[r['bytes']] / r['time_us']:9.2f}x" if r["bytes"] in base else f"{'-':>10}"
         wrong = "N/A" if r["wrong"] < 0 else str(r["wrong"])
         lines.append(f"  {r['bytes']:>10} {r['count']:>10} {r['dtype']:>8} {r['op']:>6} {r['algorithm']:>11} "
-                     f"{r['time_us']:10.1f} {r['algbw_gbps']:7.3f} {r['busbw_gbps']:7.3f} {wrong:>6} {model} {vs}")
+                     f"{r['time_us']:10.1f} {r.get('p50_us', float('nan')):10.1f} {r['algbw_gbps']:7.3f} {r['busbw_gbps']:7.3f} {wrong:>6} {model} {vs}")
     lines.append("#")
     algs = list(dict.fromkeys(r["algorithm"] for r in results))
     lines.append("# average busbw (GB/s): " + ", ".join(
@@ -278,7 +279,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--algorithms", default="all", help="comma list of registered algorithms, or all")
     ap.add_argument("--blocking", action="store_true", help="barrier and time each call separately")
     ap.add_argument("--budget", type=float, default=0.25, help="seconds of timing per size and algorithm")
-    ap.add_argument("--max-iters", type=int, default=50)
+    ap.add_argument("--max-iters", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3,
                     help="time the algorithms of a size in this many interleaved rounds, so a machine "
                          "whose speed drifts slows them alike (1: one after the other)")
