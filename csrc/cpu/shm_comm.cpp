@@ -143,7 +143,7 @@ ShmComm::ShmComm(const std::string& token_hex, int64_t rank, int64_t world, int6
       world_(static_cast<int>(world)),
       capacity_(capacity),
       timeout_ms_(timeout_ms),
-      oneshot_max_(env_int("COMMLAB_SHM_ONESHOT_MAX", 128 << 10)),
+      oneshot_max_(env_int("COMMLAB_SHM_ONESHOT_MAX", 8 << 10)),  // commlab/shm.py says why
       spin_(env_int("COMMLAB_SHM_SPIN", 256)),
       // 2 ms of yielding before a futex sleep: with 4 ranks on 2 cores, 16-256 KiB calls
       // wait 100-300 us, and a 200 us window sent them to sleep (and a costly wake-up)
