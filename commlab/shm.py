@@ -37,6 +37,16 @@ ONESHOT_MAX = int(os.environ.get("COMMLAB_SHM_ONESHOT_MAX", str(8 << 10)))
 # this very core, and spinning measured 1.1-1.3x slower for 4 KiB-1 MiB (4 ranks on 2
 # cores), while with 2 ranks on 2 cores it is 1.1x faster at 1 MiB.
 SPIN = 256
+# Microseconds a waiter yields its core before it sleeps on the futex, again only when
+# every rank has a core (where a yield returns at once, a cheap poll). With more ranks
+# than cores a waiter sleeps at once: the yielders of one core take turns on it while
+# the awaited rank waits for its share, and a window that then ends in a sleep is the
+# worst of both. Measured here, back-to-back calls against MPICH in the same run:
+# 8 ranks on 2 cores, 4 KiB-1 MiB, 3 runs each: no window 0.31-0.60x MPICH's time at
+# every size and run; 200 us and 500 us lost at 4-16 KiB in 4 of 6 runs (up to 1.75x);
+# 2 ms up to 1.82x. 4 ranks: no window and 2 ms alike (0.41-0.74x, 0.20-0.82x,
+# 4 KiB-16 MiB, 2 runs each); the previous session saw 200 us lose at 4 ranks too.
+YIELD_US = 2000
 
 MODE_AUTO, MODE_ONESHOT, MODE_TWOSHOT, MODE_ROOT = 0, 1, 2, 3
 
@@ -127,6 +137,8 @@ def _setup(entry: Entry, info: GroupInfo) -> None:
         comm.oneshot_max = ONESHOT_MAX
         if "COMMLAB_SHM_SPIN" not in os.environ:
             comm.spin = SPIN if info.size <= cores else 0
+        if "COMMLAB_SHM_YIELD_US" not in os.environ:
+            comm.yield_us = YIELD_US if info.size <= cores else 0
         agree(info, "attaching peer segments", comm.attach)
     finally:
         # Either every rank mapped every segment, or setup failed: the names go now.

@@ -174,12 +174,14 @@ def test_dead_peer_is_named_not_waited_for(ranks, algorithm, victim):
 def spin_choice(rank, p):
     g = dist.new_group(list(range(p)))
     commlab.all_reduce(torch.ones(10), group=g, algorithm="shm")
-    spin = commlab.shm._entries.get(g).comm.spin
+    comm = commlab.shm._entries.get(g).comm
+    spin, yield_us = comm.spin, comm.yield_us
     dist.destroy_process_group(g)
-    return spin, len(os.sched_getaffinity(0))
+    return spin, yield_us, len(os.sched_getaffinity(0))
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_waiters_spin_only_with_a_core_each(ranks, world):
-    for spin, cores in ranks.run(world, spin_choice):
+def test_waiters_spin_and_yield_only_with_a_core_each(ranks, world):
+    for spin, yield_us, cores in ranks.run(world, spin_choice):
         assert spin == (commlab.shm.SPIN if world <= cores else 0)
+        assert yield_us == (commlab.shm.YIELD_US if world <= cores else 0)

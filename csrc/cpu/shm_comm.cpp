@@ -145,11 +145,7 @@ ShmComm::ShmComm(const std::string& token_hex, int64_t rank, int64_t world, int6
       timeout_ms_(timeout_ms),
       oneshot_max_(env_int("COMMLAB_SHM_ONESHOT_MAX", 8 << 10)),  // commlab/shm.py says why
       spin_(env_int("COMMLAB_SHM_SPIN", 256)),
-      // 2 ms of yielding before a futex sleep: with 4 ranks on 2 cores, 16-256 KiB calls
-      // wait 100-300 us, and a 200 us window sent them to sleep (and a costly wake-up)
-      // often enough to lose to MPICH somewhere in 16-128 KiB in 4 of 4 runs; with 2 ms
-      // in 1 of 6 (by 4-10 %). 1-16 MiB did not change measurably.
-      yield_us_(env_int("COMMLAB_SHM_YIELD_US", 2000)),
+      yield_us_(env_int("COMMLAB_SHM_YIELD_US", 2000)),  // commlab/shm.py chooses per group
       global_ranks_(std::move(global_ranks)) {
   TORCH_CHECK(token_.size() == 32, "commlab shm: token must be 32 hex characters");
   TORCH_CHECK(world_ >= 1 && rank_ >= 0 && rank_ < world_, "commlab shm: bad rank/world");
@@ -320,9 +316,8 @@ void ShmComm::wait_for(int peer, uint64_t target) {
     if (seq.load(std::memory_order_acquire) >= target) return;
     cpu_relax();
   }
-  // Then yield for a while: with more ranks than cores the peer we wait for is often
-  // runnable on this very core, and yielding hands it the core without the cost of a
-  // futex sleep and wake-up. Past that, sleep.
+  // Then yield for a while (a cheap poll where every rank has a core; commlab/shm.py
+  // turns it off where ranks outnumber cores, and says why). Past that, sleep.
   if (yield_us_ > 0) {
     const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(yield_us_);
     do {

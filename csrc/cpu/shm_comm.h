@@ -40,6 +40,8 @@ class ShmComm {
   void set_oneshot_max(int64_t bytes) { oneshot_max_ = bytes; }
   int64_t spin() const { return spin_; }
   void set_spin(int64_t n) { spin_ = static_cast<int>(std::max<int64_t>(0, n)); }
+  int64_t yield_us() const { return yield_us_; }
+  void set_yield_us(int64_t us) { yield_us_ = static_cast<int>(std::max<int64_t>(0, us)); }
   std::string segment_name(int64_t rank) const;
   uint64_t calls() const { return call_; }
 
