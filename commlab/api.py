@@ -94,6 +94,7 @@ def _check_match(plan: _Plan, tensor: torch.Tensor) -> None:
 
 
 _plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 256
 
 
 def _plan(tensor: torch.Tensor, op, group, algorithm: str) -> _Plan:
@@ -127,6 +128,8 @@ def _plan(tensor: torch.Tensor, op, group, algorithm: str) -> _Plan:
     plan.op_key = op
     # Devices other than CPU and CUDA share (False, False) in the key: never cached.
     if key is not None and (tensor.is_cpu or tensor.is_cuda):
+        if len(_plans) >= _MAX_PLANS:  # ops built afresh for every call would each add one
+            _plans.clear()
         _plans[key] = plan
     return plan
 

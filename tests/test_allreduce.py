@@ -175,6 +175,26 @@ def test_refusals_identical_on_every_rank(ranks):
     assert issubclass(commlab.UnsupportedError, commlab.CommlabError)
 
 
+def fresh_ops(rank, p):
+    """Plans are cached by the op's identity: ops built afresh for every call must
+    neither grow the cache without bound nor get a wrong plan."""
+    from commlab import api
+    x = torch.ones(6)
+    for i in range(400):
+        op = dist.ReduceOp(dist.ReduceOp.MAX if i % 2 else dist.ReduceOp.SUM)
+        x.fill_(rank + 1)
+        commlab.all_reduce(x, op=op, algorithm="shm")
+        want = p if i % 2 else p * (p + 1) // 2
+        if x.tolist() != [float(want)] * 6:
+            return f"call {i}: {x.tolist()}"
+    return len(api._plans)
+
+
+def test_fresh_op_objects_keep_the_plan_cache_bounded(ranks):
+    for got in ranks.run(2, fresh_ops):
+        assert isinstance(got, int) and got <= 256, got
+
+
 def test_registry_shape():
     names = commlab.algorithm_names()
     for required in ["builtin", "ring", "ps", "ps_sharded", "rhd", "rd"]:
