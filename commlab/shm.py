@@ -51,6 +51,11 @@ YIELD_US = 2000
 MODE_AUTO, MODE_ONESHOT, MODE_TWOSHOT, MODE_ROOT = 0, 1, 2, 3
 
 
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value else default
+
+
 def host_id() -> str:
     """Ranks can share memory only with the same kernel, mount and network namespace
     (separate network namespaces are how tests emulate separate hosts)."""
@@ -134,11 +139,11 @@ def _setup(entry: Entry, info: GroupInfo) -> None:
     try:
         agree(info, "creating shared-memory segments", create)
         comm = made["comm"]
+        # The one place the waiting and mode knobs are decided (the C++ side reads none).
+        own_cores = info.size <= cores
         comm.oneshot_max = ONESHOT_MAX
-        if "COMMLAB_SHM_SPIN" not in os.environ:
-            comm.spin = SPIN if info.size <= cores else 0
-        if "COMMLAB_SHM_YIELD_US" not in os.environ:
-            comm.yield_us = YIELD_US if info.size <= cores else 0
+        comm.spin = _env_int("COMMLAB_SHM_SPIN", SPIN if own_cores else 0)
+        comm.yield_us = _env_int("COMMLAB_SHM_YIELD_US", YIELD_US if own_cores else 0)
         agree(info, "attaching peer segments", comm.attach)
     finally:
         # Either every rank mapped every segment, or setup failed: the names go now.

@@ -93,11 +93,6 @@ int64_t now_ms() {
       .count();
 }
 
-int env_int(const char* name, int dflt) {
-  const char* v = std::getenv(name);
-  return v ? std::atoi(v) : dflt;
-}
-
 // A peer that exited may linger as a zombie until its parent reaps it; kill(pid, 0)
 // still succeeds then, so look at its state too.
 bool process_alive(int64_t pid) {
@@ -143,9 +138,10 @@ ShmComm::ShmComm(const std::string& token_hex, int64_t rank, int64_t world, int6
       world_(static_cast<int>(world)),
       capacity_(capacity),
       timeout_ms_(timeout_ms),
-      oneshot_max_(env_int("COMMLAB_SHM_ONESHOT_MAX", 8 << 10)),  // commlab/shm.py says why
-      spin_(env_int("COMMLAB_SHM_SPIN", 256)),
-      yield_us_(env_int("COMMLAB_SHM_YIELD_US", 2000)),  // commlab/shm.py chooses per group
+      // Conservative until commlab/shm.py sets the tuned values (and their knobs) per group.
+      oneshot_max_(0),
+      spin_(0),
+      yield_us_(0),
       global_ranks_(std::move(global_ranks)) {
   TORCH_CHECK(token_.size() == 32, "commlab shm: token must be 32 hex characters");
   TORCH_CHECK(world_ >= 1 && rank_ >= 0 && rank_ < world_, "commlab shm: bad rank/world");
