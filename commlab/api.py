@@ -43,7 +43,7 @@ class _Plan:
     device type): validated once, then reused, because per-call Python work is a
     visible share of a small shared-memory all-reduce."""
 
-    def __init__(self, alg, reduce_op: Op, info: groups.GroupInfo):
+    def __init__(self, alg, reduce_op: Op, info: groups.GroupInfo, op_key):
         self.alg = alg
         self.reduce_op = reduce_op
         self.average = reduce_op is Op.AVG
@@ -52,7 +52,7 @@ class _Plan:
         self.ctx = Context(info=info, p2p=P2P(info, alg.name))
         self.lane = lanes.lane(info.group)
         self.check = checking_enabled()
-        self.op_key = None  # the caller's op object this plan was cached under
+        self.op_key = op_key  # the caller's op object this plan is cached under
 
     def live(self) -> bool:
         return self.info.alive()
@@ -124,8 +124,7 @@ def _plan(tensor: torch.Tensor, op, group, algorithm: str) -> _Plan:
     reason = alg.unsupported(tensor, core_op, info)
     if reason:
         raise UnsupportedError(f"commlab[{alg.name}]: {reason}")
-    plan = _Plan(alg, reduce_op, info)
-    plan.op_key = op
+    plan = _Plan(alg, reduce_op, info, op)
     # Devices other than CPU and CUDA share (False, False) in the key: never cached.
     if key is not None and (tensor.is_cpu or tensor.is_cuda):
         if len(_plans) >= _MAX_PLANS:  # ops built afresh for every call would each add one
