@@ -17,7 +17,7 @@ class UnsupportedError(CommlabError, ValueError):
 class PeerError(CommlabError):
     """A point-to-point transfer with a named peer failed or ran past the group's timeout."""
 
-    def __init__(self, message: str, *, algorithm: str, peer: int | None):
+    def __init__(self, message: str, *, algorithm: str = "", peer: int | None = None):
         super().__init__(message)
         self.algorithm = algorithm
         self.peer = peer

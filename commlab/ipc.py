@@ -75,7 +75,7 @@ def choose_path(facts: list[dict], forced: str | None = None) -> tuple[str | Non
 class _Entry(shm.Entry):
     def __init__(self):
         super().__init__()
-        self.path: str | None = None
+        self.path: str | None = None  # set once setup succeeded, never before
         self.why = ""
         self.device: int | None = None
         self.pids: list[int] = []
@@ -83,32 +83,58 @@ class _Entry(shm.Entry):
 
 _entries = groups.PerGroup(lambda g: _Entry(), release=_Entry.close)
 
+# Settings every rank must share: a different capacity or grid would read past a
+# peer's allocation or meet the wrong thread block; a different path would hang.
+KNOBS = {"COMMLAB_IPC_CAPACITY": "capacity", "COMMLAB_IPC_MAX_BLOCKS": "max_blocks",
+         "COMMLAB_IPC_ONESHOT_MAX": "oneshot_max", "COMMLAB_IPC_PATH": "forced"}
 
-def _setup(entry: _Entry, info: GroupInfo, device: torch.device) -> None:
-    facts = shm.gather(info, device_facts(device))
-    path, why = choose_path(facts, os.environ.get("COMMLAB_IPC_PATH") or None)
+
+def settings() -> dict:
+    return {"capacity": CAPACITY, "max_blocks": MAX_BLOCKS, "oneshot_max": ONESHOT_MAX,
+            "forced": os.environ.get("COMMLAB_IPC_PATH") or None}
+
+
+def _setup(entry: _Entry, info: GroupInfo, device: torch.device, algorithm: str) -> None:
+    try:
+        mine = {**device_facts(device), **settings()}
+    except Exception as e:  # noqa: BLE001 - every rank must learn it, or the others would wait
+        mine = {"error": f"{type(e).__name__}: {e}"}
+    facts = shm.gather(info, mine, "ipc")
+    errors = {info.global_rank(r): f["error"] for r, f in enumerate(facts) if "error" in f}
+    if errors:
+        raise entry.fail(CommlabError(f"commlab[{algorithm}]: reading the GPU's facts failed on rank(s) "
+                                      f"{sorted(errors)}: " + "; ".join(f"rank {r}: {e}" for r, e in errors.items())))
+    path, why = choose_path(facts, facts[0]["forced"])
     if path is None:
-        entry.unsupported = why
-        return
-    entry.path, entry.why = path, why
-    entry.device = facts[info.rank]["index"]
+        raise entry.fail(UnsupportedError(f"commlab[{algorithm}]: {why}"))
+    diff = shm.differing(info, facts, KNOBS)
+    if diff:
+        raise entry.fail(CollectiveMismatchError(f"commlab[{algorithm}]: ranks configured CUDA IPC differently: {diff}"))
+    device_index = facts[info.rank]["index"]
+    if path == PATH_P2P:
+        C = _ext.require()
+        made = {}
+
+        def create():
+            made["comm"] = C.IpcComm(info.rank, info.size, device_index, CAPACITY,
+                                     int(info.timeout.total_seconds() * 1000), list(info.global_ranks))
+
+        try:
+            shm.agree(info, "allocating CUDA IPC buffers", create, "ipc")
+            comm = made["comm"]
+            comm.oneshot_max = ONESHOT_MAX
+            comm.max_blocks = MAX_BLOCKS
+            handles = shm.gather(info, comm.handle(), "ipc")
+            shm.agree(info, "mapping peers' CUDA IPC buffers", lambda: comm.open(handles), "ipc")
+        except CommlabError as e:
+            if "comm" in made:
+                made["comm"].close()
+            raise entry.fail(e)
+        entry.comm = comm
+    # Only a complete setup names a path: a failed one raises its error again next time.
+    entry.device = device_index
     entry.pids = [f["pid"] for f in facts]
-    if path == PATH_STAGED:
-        return  # the shared-memory transport sets itself up on the first call
-    C = _ext.require()
-    made = {}
-
-    def create():
-        made["comm"] = C.IpcComm(info.rank, info.size, entry.device, CAPACITY,
-                                 int(info.timeout.total_seconds() * 1000), list(info.global_ranks))
-
-    shm.agree(info, "allocating CUDA IPC buffers", create, "ipc")
-    comm = made["comm"]
-    comm.oneshot_max = ONESHOT_MAX
-    comm.max_blocks = MAX_BLOCKS
-    handles = shm.gather(info, comm.handle())
-    shm.agree(info, "mapping peers' CUDA IPC buffers", lambda: comm.open(handles), "ipc")
-    entry.comm = comm
+    entry.path, entry.why = path, why
 
 
 def path_of(group) -> tuple[str | None, str]:
@@ -130,12 +156,9 @@ def _alive(pid: int) -> bool:
 def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm: str) -> None:
     entry = _entries.get(info.group)
     with entry.lock:
-        if entry.path is None and entry.unsupported is None:
-            _setup(entry, info, buf.device)
-        if entry.unsupported:
-            raise UnsupportedError(f"commlab[{algorithm}]: {entry.unsupported}")
-        if entry.broken:
-            raise CommlabError(f"commlab[{algorithm}]: this group's CUDA IPC is unusable after: {entry.broken}")
+        entry.raise_failure()
+        if entry.path is None:
+            _setup(entry, info, buf.device, algorithm)
         if buf.device.index != entry.device:
             raise CommlabError(f"commlab[{algorithm}]: this group's communicator lives on cuda:{entry.device}, "
                                f"the tensor is on {buf.device}")
@@ -144,19 +167,20 @@ def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm
             return
         try:
             entry.comm.allreduce(buf, op, mode)
-        except RuntimeError as e:
-            msg = str(e)
+        except BaseException as e:
             lost = entry.comm.failed_peer
             # The communicator refuses further calls, but its memory stays mapped until the
             # group goes: peers still waiting read our abort word from it to give up at once.
-            entry.broken = msg
-            if "mismatch" in msg:
-                raise CollectiveMismatchError(f"commlab[{algorithm}]: {msg}") from None
-            if lost >= 0:
+            error = shm.translate(e, algorithm, info.global_rank(lost) if lost >= 0 else -1)
+            if isinstance(error, PeerError) and lost >= 0:
                 pid = entry.pids[lost]
-                msg += f" [rank {info.global_rank(lost)} is pid {pid}, {'alive' if _alive(pid) else 'dead'}]"
-            raise PeerError(f"commlab[{algorithm}]: {msg}", algorithm=algorithm,
-                            peer=info.global_rank(lost) if lost >= 0 else None) from None
+                error = PeerError(f"{error} [rank {info.global_rank(lost)} is pid {pid}, "
+                                  f"{'alive' if _alive(pid) else 'dead'}]", algorithm=algorithm, peer=error.peer)
+            entry.fail(CommlabError(f"commlab[{algorithm}]: this group's CUDA IPC is unusable after: "
+                                    f"{error if error is not None else repr(e)}"))
+            if error is None:
+                raise  # KeyboardInterrupt and friends, as raised
+            raise error from None
 
 
 def _staged(buf: torch.Tensor, op: int, info: GroupInfo, algorithm: str) -> None:

@@ -10,6 +10,7 @@ afterwards leaves nothing in /dev/shm.
 from __future__ import annotations
 
 import atexit
+import copy
 import os
 import socket
 import threading
@@ -74,13 +75,22 @@ def host_id() -> str:
 
 
 class Entry:
-    """A group's transport state (the CUDA IPC transport extends it)."""
+    """A group's transport state (the CUDA IPC transport extends it). `failure` is the
+    error that made it unusable (setup refused or failed, or a call failed): every later
+    call raises it again, the same on every rank, instead of meeting a half-made state."""
 
     def __init__(self):
         self.comm = None
-        self.unsupported: str | None = None
-        self.broken: str | None = None
+        self.failure: CommlabError | None = None
         self.lock = threading.Lock()
+
+    def fail(self, error: CommlabError) -> CommlabError:
+        self.failure = error
+        return error
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise copy.copy(self.failure)  # a fresh instance each time, same type and text
 
     def close(self) -> None:
         with self.lock:
@@ -92,9 +102,13 @@ class Entry:
 _entries = groups.PerGroup(lambda g: Entry(), release=Entry.close)  # freed with the group
 
 
-def gather(info: GroupInfo, value) -> list:
+def gather(info: GroupInfo, value, transport: str = "shm", what: str = "setup") -> list:
     out = [None] * info.size
-    dist.all_gather_object(out, value, group=info.group)
+    try:
+        dist.all_gather_object(out, value, group=info.group)
+    except RuntimeError as e:  # a peer died or left during setup
+        raise PeerError(f"commlab[{transport}]: {what}: exchanging setup facts failed (a peer died or left?): {e}",
+                        algorithm=transport, peer=None) from None
     return out
 
 
@@ -105,30 +119,50 @@ def agree(info: GroupInfo, what: str, step, transport: str = "shm") -> None:
         mine = None
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         mine = str(e)
-    errors = gather(info, mine)
+    errors = gather(info, mine, transport, what)
     failed = {info.global_rank(r): e for r, e in enumerate(errors) if e is not None}
     if failed:
         detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
         raise CommlabError(f"commlab[{transport}]: {what} failed on rank(s) {sorted(failed)}: {detail}")
 
 
-def _setup(entry: Entry, info: GroupInfo) -> None:
+def differing(info: GroupInfo, facts: list[dict], knobs: dict[str, str]) -> str | None:
+    """Which per-rank settings differ across the group, for an error every rank raises."""
+    diffs = []
+    for env, key in knobs.items():
+        values = [f[key] for f in facts]
+        if len(set(values)) > 1:
+            diffs.append(f"{env}: " + ", ".join(f"rank {info.global_rank(r)} {v}" for r, v in enumerate(values)))
+    return "; ".join(diffs) or None
+
+
+def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
     C = _ext.require()
-    facts = gather(info, (host_id(), sorted(os.sched_getaffinity(0))))
-    hosts = [h for h, _ in facts]
-    cores = len(set().union(*(set(cpus) for _, cpus in facts)))
+    facts = gather(info, {"host": host_id(), "cpus": sorted(os.sched_getaffinity(0)), "capacity": CAPACITY,
+                          "oneshot_max": ONESHOT_MAX})
+    hosts = [f["host"] for f in facts]
+    cores = len(set().union(*(set(f["cpus"]) for f in facts)))
     if len(set(hosts)) > 1:
         by_host: dict[str, list[int]] = {}
         for r, h in enumerate(hosts):
             by_host.setdefault(h.split("/")[0] + ("" if h == hosts[0] else f" ({h.split('/', 1)[-1][-20:]})"), []).append(
                 info.global_rank(r))
-        entry.unsupported = ("the group spans more than one host, shared memory cannot serve it: "
-                             + ", ".join(f"{h}: ranks {rs}" for h, rs in by_host.items()))
-        return
+        raise entry.fail(UnsupportedError(
+            f"commlab[{algorithm}]: the group spans more than one host, shared memory cannot serve it: "
+            + ", ".join(f"{h}: ranks {rs}" for h, rs in by_host.items())))
+    # Ranks configured differently would pair pieces of different sizes or modes.
+    diff = differing(info, facts, {"COMMLAB_SHM_CAPACITY": "capacity", "COMMLAB_SHM_ONESHOT_MAX": "oneshot_max"})
+    if diff:
+        raise entry.fail(CollectiveMismatchError(f"commlab[{algorithm}]: ranks configured shared memory differently: "
+                                                 f"{diff}"))
     # An object broadcast works on any backend: the CUDA IPC transport's host-staged
     # path sets shared memory up over NCCL groups too.
     token = [os.urandom(16).hex() if info.rank == 0 else None]
-    dist.broadcast_object_list(token, src=info.global_rank(0), group=info.group)
+    try:
+        dist.broadcast_object_list(token, src=info.global_rank(0), group=info.group)
+    except RuntimeError as e:
+        raise entry.fail(PeerError(f"commlab[{algorithm}]: setup: agreeing on a segment name failed: {e}",
+                                   algorithm=algorithm, peer=None)) from None
     token_hex = token[0]
     timeout_ms = int(info.timeout.total_seconds() * 1000)
     made = {}
@@ -145,6 +179,13 @@ def _setup(entry: Entry, info: GroupInfo) -> None:
         comm.spin = _env_int("COMMLAB_SHM_SPIN", SPIN if own_cores else 0)
         comm.yield_us = _env_int("COMMLAB_SHM_YIELD_US", YIELD_US if own_cores else 0)
         agree(info, "attaching peer segments", comm.attach)
+    except CommlabError as e:
+        # A rank may have died between creating its segment and the unlink below: every
+        # survivor knows the token, so every name of the group goes.
+        C.ShmComm.unlink_names(token_hex, info.size)
+        if "comm" in made:
+            made["comm"].close()
+        raise entry.fail(e)
     finally:
         # Either every rank mapped every segment, or setup failed: the names go now.
         if "comm" in made:
@@ -159,6 +200,19 @@ def unsupported(info: GroupInfo) -> str | None:
     return None
 
 
+def translate(error: BaseException, algorithm: str, failed_peer: int) -> CommlabError | None:
+    """The commlab error for a transport's failure (None: not ours, e.g. KeyboardInterrupt)."""
+    C = _ext.C
+    msg = f"commlab[{algorithm}]: {error}"
+    if isinstance(error, C.MismatchError):
+        return CollectiveMismatchError(msg)
+    if isinstance(error, C.PeerLostError):
+        return PeerError(msg, algorithm=algorithm, peer=failed_peer if failed_peer >= 0 else None)
+    if isinstance(error, RuntimeError):
+        return CommlabError(msg)
+    return None
+
+
 def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm: str) -> None:
     entry = _entries.get(info.group)
     with entry.lock:
@@ -167,25 +221,23 @@ def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm
             comm = _ready(entry, info, algorithm)
         try:
             comm.allreduce(buf, op, mode)
-        except RuntimeError as e:
-            # A failed call leaves peers at unknown phases: the communicator is done.
-            msg = str(e)
-            entry.broken = msg
+        except BaseException as e:
+            # A failed call leaves peers at unknown phases: the communicator is done (its
+            # peers read our abort mark from their own mappings of our segment).
             entry.comm = None
+            error = translate(e, algorithm, comm.failed_peer)
+            entry.fail(CommlabError(f"commlab[{algorithm}]: this group's shared memory is unusable after: "
+                                    f"{error if error is not None else repr(e)}"))
             comm.close()
-            if "mismatch" in msg:
-                raise CollectiveMismatchError(f"commlab[{algorithm}]: {msg}") from None
-            raise PeerError(f"commlab[{algorithm}]: {msg}", algorithm=algorithm, peer=None) from None
+            if error is None:
+                raise  # KeyboardInterrupt and friends, as raised
+            raise error from None
 
 
 def _ready(entry: Entry, info: GroupInfo, algorithm: str):
     """The group's communicator, set up on first use; raises if it cannot be had."""
-    if entry.unsupported is None and entry.broken is None:
-        _setup(entry, info)
-    if entry.unsupported:
-        raise UnsupportedError(f"commlab[{algorithm}]: {entry.unsupported}")
-    if entry.broken:
-        raise CommlabError(f"commlab[{algorithm}]: this group's shared memory is unusable after: {entry.broken}")
+    entry.raise_failure()
+    _setup(entry, info, algorithm)
     return entry.comm
 
 

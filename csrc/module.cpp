@@ -2,6 +2,7 @@
 // compiled csrc/cuda (COMMLAB_WITH_CUDA); `has_cuda()` tells Python which build it got.
 #include <torch/extension.h>
 
+#include "common/errors.h"
 #include "cpu/reduce_n.h"
 #include "cpu/shm_comm.h"
 #ifdef COMMLAB_WITH_CUDA
@@ -51,6 +52,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("op"),
         "out = inputs[0] op inputs[1] op ... in that order (op codes: 0 sum, 1 product, 2 min, 3 max)");
 
+  // Failures every rank of a collective reports, distinguished by type in Python.
+  pybind11::register_exception<commlab::MismatchError>(m, "MismatchError", PyExc_RuntimeError);
+  pybind11::register_exception<commlab::PeerLostError>(m, "PeerLostError", PyExc_RuntimeError);
+  pybind11::register_exception<commlab::ForkedError>(m, "ForkedError", PyExc_RuntimeError);
+
   pybind11::class_<commlab::ShmComm>(m, "ShmComm", "shared-memory all-reduce among the ranks of one host")
       .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, int64_t, std::vector<int64_t>>(),
            pybind11::arg("token_hex"), pybind11::arg("rank"), pybind11::arg("world"), pybind11::arg("capacity"),
@@ -61,7 +67,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("allreduce", &commlab::ShmComm::allreduce, pybind11::arg("tensor"), pybind11::arg("op"),
            pybind11::arg("mode"), "in place; mode 0 auto, 1 one-shot, 2 two-shot, 3 root reduces")
       .def("segment_name", &commlab::ShmComm::segment_name)
+      .def_static("unlink_names", &commlab::ShmComm::unlink_names, pybind11::arg("token_hex"), pybind11::arg("world"),
+                  "remove every rank's segment name of a group; returns how many existed")
       .def_property_readonly("capacity", &commlab::ShmComm::capacity)
+      .def_property_readonly("failed_peer", &commlab::ShmComm::failed_peer)
       .def_property_readonly("calls", &commlab::ShmComm::calls)
       .def_property("oneshot_max", &commlab::ShmComm::oneshot_max, &commlab::ShmComm::set_oneshot_max)
       .def_property("spin", &commlab::ShmComm::spin, &commlab::ShmComm::set_spin)
@@ -81,7 +90,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "in place, synchronous; mode 0 auto, 1 one-shot, 2 two-shot")
       .def("close", &commlab::IpcComm::close)
       .def_property_readonly("capacity", &commlab::IpcComm::capacity)
-      .def_property_readonly("calls", &commlab::IpcComm::calls)
+      .def_property("calls", &commlab::IpcComm::calls, &commlab::IpcComm::set_calls,
+                    "calls so far (settable: flag wrap-around tests start a communicator late in its life)")
       .def_property_readonly("failed_peer", &commlab::IpcComm::failed_peer)
       .def_property("oneshot_max", &commlab::IpcComm::oneshot_max, &commlab::IpcComm::set_oneshot_max)
       .def_property("max_blocks", &commlab::IpcComm::max_blocks, &commlab::IpcComm::set_max_blocks);

@@ -214,3 +214,141 @@ def test_staged_path_with_processes_sharing_a_gpu(ranks, world):
     for wrong, path in ranks.run(world, staged_sweep):
         assert path == ipc.PATH_STAGED
         assert not wrong, wrong
+
+
+# --- setup agreement and failed setups, on CPU with stand-ins for the GPU facts ---------
+
+class _FakeIpcComm:
+    """Stands in for commlab._C.IpcComm; the rank in `fail_on` cannot allocate."""
+
+    fail_on = -1
+
+    def __init__(self, rank, world, device, capacity, timeout_ms, global_ranks):
+        if rank == self.fail_on:
+            raise RuntimeError("CUDA error: out of memory (stand-in)")
+        self.closed = False
+
+    def handle(self):
+        return b"h"
+
+    def open(self, handles):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def _fake_ipc(monkeypatch, rank, fail_on=-1):
+    class Ext:
+        IpcComm = type("IpcComm", (_FakeIpcComm,), {"fail_on": fail_on})
+
+    monkeypatch.setattr(ipc, "device_facts", lambda device: {
+        "host": "h", "uuid": f"gpu{rank}", "index": 0, "pid": 100 + rank,
+        "reach": {f"gpu{q}": True for q in range(8) if q != rank}})
+    monkeypatch.setattr(ipc._ext, "require", lambda: Ext)
+
+
+def failed_setup_raises_again(rank, p):
+    import torch.distributed as dist
+
+    mp = pytest.MonkeyPatch()
+    try:
+        _fake_ipc(mp, rank, fail_on=1)
+        g = dist.new_group(list(range(p)))
+        info = commlab.groups.resolve(g)
+        seen = []
+        for _ in range(2):  # the second call must meet the same error, not a half-made entry
+            try:
+                ipc.all_reduce(torch.ones(4), 0, 0, info, "ipc")
+                seen.append(("NOT RAISED", ""))
+            except Exception as e:  # noqa: BLE001 - the test compares them
+                seen.append((type(e).__name__, str(e)))
+        dist.destroy_process_group(g)
+        return seen
+    finally:
+        mp.undo()
+
+
+def test_a_failed_setup_raises_the_same_error_again(ranks):
+    res = ranks.run(2, failed_setup_raises_again)
+    for seen in res:
+        (t1, m1), (t2, m2) = seen
+        assert t1 == "CommlabError" and "allocating CUDA IPC buffers failed on rank(s) [1]" in m1, seen
+        assert (t2, m2) == (t1, m1), seen
+    assert res[0] == res[1]
+
+
+def different_settings(rank, p, knob, value):
+    import torch.distributed as dist
+
+    mp = pytest.MonkeyPatch()
+    try:
+        _fake_ipc(mp, rank)
+        if rank == 1:
+            if knob == "COMMLAB_IPC_PATH":
+                mp.setenv(knob, value)
+            else:
+                mp.setattr(ipc, ipc.KNOBS[knob].upper(), value)
+        g = dist.new_group(list(range(p)))
+        info = commlab.groups.resolve(g)
+        try:
+            ipc.all_reduce(torch.ones(4), 0, 0, info, "ipc")
+            out = ("NOT RAISED", "")
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out = (type(e).__name__, str(e))
+        dist.destroy_process_group(g)
+        return out
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("knob,value", [("COMMLAB_IPC_MAX_BLOCKS", 16), ("COMMLAB_IPC_CAPACITY", 1 << 20),
+                                        ("COMMLAB_IPC_ONESHOT_MAX", 1024), ("COMMLAB_IPC_PATH", "staged")])
+def test_ranks_must_agree_on_grid_capacity_and_path(ranks, knob, value):
+    res = ranks.run(2, different_settings, knob, value)
+    assert res[0] == res[1], res
+    kind, msg = res[0]
+    assert kind == "CollectiveMismatchError" and knob in msg and "rank 1" in msg, res
+
+
+@pytest.mark.gpu
+@needs_kernels
+def test_p2p_flags_are_64_bit():
+    """Flags read "this call or later". With 32-bit flags, 2^31 calls into a
+    communicator's life a stale slot read as a later call and a barrier passed without
+    its peer; the calls also cross 2^32, where a 32-bit counter wraps."""
+    with local_group(2, timeout_ms=300) as comms:
+        tensors = [torch.ones(1000, device="cuda") for _ in range(2)]
+        assert run_concurrently(comms, tensors, 0, 0) == [None, None]  # slots now hold call 1
+        for c in comms:
+            c.calls = (1 << 32) - 2
+        for k in range(4):
+            tensors = [torch.full((1000,), float(r + 1), device="cuda") for r in range(2)]
+            assert run_concurrently(comms, tensors, 0, 0) == [None, None], k
+            assert all(torch.equal(t, torch.full_like(t, 3.0)) for t in tensors), k
+    with local_group(2, timeout_ms=300) as comms:
+        tensors = [torch.ones(1000, device="cuda") for _ in range(2)]
+        assert run_concurrently(comms, tensors, 0, 0) == [None, None]
+        comms[0].calls = (1 << 31) + 1  # rank 1's slot still says call 1
+        with pytest.raises(RuntimeError, match=r"waited for rank 1 at the start barrier"):
+            comms[0].allreduce(tensors[0], 0, 0)  # rank 1 never comes: must not pass
+
+
+@pytest.mark.gpu
+@needs_kernels
+def test_p2p_ctrl_c_stops_the_kernels_and_the_peer_fails_fast():
+    import os
+    import signal
+    import time
+
+    with local_group(2, timeout_ms=20_000) as comms:
+        x = torch.ones(1000, device="cuda")
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            comms[0].allreduce(x, 0, 0)  # rank 1 is not calling
+        assert time.monotonic() - t0 < 1.5
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="interrupted"):
+            comms[1].allreduce(torch.ones(1000, device="cuda"), 0, 0)
+        assert time.monotonic() - t0 < 2

@@ -8,11 +8,19 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <memory>
+#include <thread>
 #include <sstream>
 #include <stdexcept>
 
+#include "../common/errors.h"
+#include "../common/fork.h"
 #include "ipc_kernels.h"
 #include "torch_dtype.h"
 
@@ -33,24 +41,33 @@ IpcComm::IpcComm(int64_t rank, int64_t world, int64_t device, int64_t capacity, 
       timeout_ms_(timeout_ms),
       oneshot_max_(256 << 10),
       max_blocks_(32),
-      global_ranks_(std::move(global_ranks)) {
+      global_ranks_(std::move(global_ranks)),
+      fork_generation_(fork_generation()) {
   TORCH_CHECK(world_ >= 1 && world_ <= kMaxRanks, "commlab ipc: group size must be 1..", kMaxRanks, ", got ", world);
   TORCH_CHECK(rank_ >= 0 && rank_ < world_, "commlab ipc: rank ", rank, " outside a group of ", world);
   TORCH_CHECK(capacity_ >= 4096 && capacity_ % 256 == 0, "commlab ipc: capacity must be a multiple of 256, >= 4096");
   TORCH_CHECK(static_cast<int>(global_ranks_.size()) == world_, "commlab ipc: need one global rank per group rank");
   TORCH_CHECK(timeout_ms_ > 0, "commlab ipc: timeout must be positive");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  C10_CUDA_CHECK(ipc::preload());
-  C10_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&block_), kSignalBytes + 2 * capacity_));
-  C10_CUDA_CHECK(cudaMemset(block_, 0, kSignalBytes));
-  // Zeroed before any peer can map the block (the handle is exchanged after this).
-  C10_CUDA_CHECK(cudaDeviceSynchronize());
-  C10_CUDA_CHECK(cudaHostAlloc(&error_host_, sizeof(IpcError), cudaHostAllocMapped));
-  std::memset(error_host_, 0, sizeof(IpcError));
-  static_cast<IpcError*>(error_host_)->peer = -1;
-  C10_CUDA_CHECK(cudaHostGetDevicePointer(&error_dev_, error_host_, 0));
   peers_.assign(world_, nullptr);
   opened_.assign(world_, false);
+  try {
+    C10_CUDA_CHECK(ipc::preload());
+    C10_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&block_), kSignalBytes + 2 * capacity_));
+    C10_CUDA_CHECK(cudaMemset(block_, 0, kSignalBytes));
+    // Zeroed before any peer can map the block (the handle is exchanged after this).
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    C10_CUDA_CHECK(cudaHostAlloc(&error_host_, sizeof(IpcError), cudaHostAllocMapped));
+    std::memset(error_host_, 0, sizeof(IpcError));
+    static_cast<IpcError*>(error_host_)->peer = -1;
+    C10_CUDA_CHECK(cudaHostGetDevicePointer(&error_dev_, error_host_, 0));
+    C10_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&abort_host_), sizeof(int), cudaHostAllocDefault));
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+  } catch (...) {
+    release_resources();  // nothing half-made survives a failed constructor
+    throw;
+  }
   peers_[rank_] = block_;
 }
 
@@ -106,6 +123,10 @@ void IpcComm::set_max_blocks(int64_t n) {
 }
 
 void IpcComm::check_usable() const {
+  if (fork_generation_ != fork_generation()) {
+    throw ForkedError("commlab ipc: this process was forked from the one that set up this group's CUDA IPC "
+                      "buffers; a forked child cannot take part in its parent's collectives");
+  }
   TORCH_CHECK(block_ != nullptr, "commlab ipc: communicator is closed");
   TORCH_CHECK(connected_, "commlab ipc: peers' buffers are not mapped yet");
   if (!broken_.empty()) throw std::runtime_error("commlab ipc: unusable after an earlier failure: " + broken_);
@@ -135,7 +156,7 @@ void IpcComm::allreduce(const torch::Tensor& t, int64_t op, int64_t mode) {
   char* base = static_cast<char*>(t.data_ptr());
   for (int64_t off = 0; off < numel; off += chunk) {
     const int64_t n = std::min(chunk, numel - off);
-    const uint32_t seq = ++seq_;
+    const uint64_t seq = ++seq_;
     const int64_t data_offset = kSignalBytes + static_cast<int64_t>(seq & 1) * capacity_;
     C10_CUDA_CHECK(cudaMemcpyAsync(block_ + data_offset, base + off * elsize, n * elsize, cudaMemcpyDeviceToDevice,
                                    stream));
@@ -149,56 +170,121 @@ void IpcComm::allreduce(const torch::Tensor& t, int64_t op, int64_t mode) {
     launch.grid = grid;
     launch.seq = seq;
     launch.two_shot = two_shot;
-    launch.code = ipc::call_code(static_cast<int>(dtype), static_cast<int>(op), two_shot);
+    launch.code = ipc::call_code(static_cast<int>(dtype), static_cast<int>(op), two_shot, grid);
     C10_CUDA_CHECK(ipc::launch_allreduce(dtype, launch, stream));
   }
   // The deadline is enforced on the GPU; the host learns of a give-up only once the
   // stream drained, so the call is synchronous (like gloo's CUDA path).
-  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  wait_done(stream);
   const auto* e = static_cast<const volatile IpcError*>(error_host_);
   if (e->peer >= 0 && e->mismatch) {
     auto describe = [](int64_t seq, int64_t numel, int64_t code) {
       std::ostringstream d;
       d << "call " << seq << " with " << numel << " elements (dtype code " << (code & 0xff) << ", op " << ((code >> 8) & 0xff)
-        << ", " << ((code >> 16) & 1 ? "two-shot" : "one-shot") << ")";
+        << ", " << ((code >> 16) & 1 ? "two-shot" : "one-shot") << ", " << ((code >> 24) & 0xff) << " blocks)";
       return d.str();
     };
     std::ostringstream msg;
     msg << "commlab ipc: mismatch: rank " << global_ranks_[rank_] << " runs "
-        << describe(e->seq, e->my_numel, e->my_code) << "; rank " << global_ranks_[e->peer] << " runs "
-        << describe(e->their_seq, e->their_numel, e->their_code);
+        << describe(static_cast<int64_t>(e->seq), e->my_numel, e->my_code) << "; rank " << global_ranks_[e->peer]
+        << " runs " << describe(e->their_seq, e->their_numel, e->their_code);
     broken_ = msg.str();
-    throw std::runtime_error(broken_);
+    failed_peer_ = e->peer;
+    throw MismatchError(broken_);
   }
   if (e->peer >= 0) {
+    const int pa = e->peer_abort;
+    const int cause = (pa & ipc::kAbortRankMask) - 1;
     std::ostringstream msg;
     msg << "commlab ipc: rank " << global_ranks_[rank_] << " waited for rank " << global_ranks_[e->peer]
         << " at the " << (e->barrier == 0 ? "start" : "middle") << " barrier of call " << e->seq;
-    if (e->relayed) {
-      msg << ": rank " << global_ranks_[e->peer] << " had given up after losing rank " << global_ranks_[e->lost];
+    if (e->relayed && (pa & ipc::kAbortMismatch)) {
+      msg << ": mismatch: rank " << global_ranks_[e->peer] << " gave up because rank " << global_ranks_[cause]
+          << " called differently";
+      broken_ = msg.str();
+      failed_peer_ = cause;
+      throw MismatchError(broken_);
+    }
+    if (e->relayed && (pa & ipc::kAbortInterrupted)) {
+      msg << ": rank " << global_ranks_[cause] << " was interrupted by a signal and stopped";
+    } else if (e->relayed) {
+      msg << ": rank " << global_ranks_[e->peer] << " had given up after losing rank " << global_ranks_[cause];
     } else {
       msg << " for more than " << timeout_ms_ << " ms (it had reached call " << e->seen << ")";
     }
     broken_ = msg.str();
-    failed_peer_ = e->relayed ? e->lost : e->peer;
-    throw std::runtime_error(broken_);
+    failed_peer_ = e->relayed ? cause : e->peer;
+    throw PeerLostError(broken_);
   }
 }
 
-void IpcComm::close() {
-  if (block_ == nullptr) return;
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  for (int q = 0; q < world_; ++q) {
+void IpcComm::wait_done(cudaStream_t stream) {
+  C10_CUDA_CHECK(cudaEventRecord(done_, stream));
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  auto next_check = start + std::chrono::milliseconds(20);
+  while (true) {
+    const cudaError_t q = cudaEventQuery(done_);
+    if (q == cudaSuccess) return;
+    if (q != cudaErrorNotReady) C10_CUDA_CHECK(q);
+    const auto now = clock::now();
+    // Poll hard for a millisecond (small calls finish in microseconds), then gently.
+    if (now - start > std::chrono::milliseconds(1)) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (now >= next_check) {
+      next_check = now + std::chrono::milliseconds(20);
+      stop_if_signalled();
+    }
+  }
+}
+
+void IpcComm::stop_if_signalled() {
+  if (syscall(SYS_gettid) != getpid()) return;  // Python runs signal handlers on the main thread only
+  std::unique_ptr<pybind11::error_already_set> raised;
+  {
+    pybind11::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() == 0) return;
+    raised = std::make_unique<pybind11::error_already_set>();
+  }
+  // Stop our kernels (they watch our abort word at every barrier); peers see the same
+  // word and give up too, naming this rank as interrupted.
+  *abort_host_ = ipc::kAbortInterrupted | (rank_ + 1);
+  cudaMemcpyAsync(ipc::abort_word(block_), abort_host_, sizeof(int), cudaMemcpyHostToDevice, side_);
+  cudaStreamSynchronize(side_);
+  cudaEventSynchronize(done_);
+  broken_ = "commlab ipc: rank " + std::to_string(global_ranks_[rank_]) + " was interrupted by a signal";
+  throw *raised;
+}
+
+void IpcComm::release_resources() {
+  for (int q = 0; q < static_cast<int>(peers_.size()); ++q) {
     if (opened_[q]) cudaIpcCloseMemHandle(peers_[q]);
     opened_[q] = false;
     if (q != rank_) peers_[q] = nullptr;
   }
-  cudaFree(block_);
+  if (block_ != nullptr) cudaFree(block_);
   block_ = nullptr;
   if (error_host_ != nullptr) cudaFreeHost(error_host_);
   error_host_ = error_dev_ = nullptr;
+  if (abort_host_ != nullptr) cudaFreeHost(abort_host_);
+  abort_host_ = nullptr;
+  if (side_ != nullptr) cudaStreamDestroy(side_);
+  side_ = nullptr;
+  if (done_ != nullptr) cudaEventDestroy(done_);
+  done_ = nullptr;
   cudaGetLastError();  // nothing to report at teardown
   connected_ = false;
+}
+
+void IpcComm::close() {
+  if (block_ == nullptr && done_ == nullptr) return;
+  // A forked child has no usable CUDA context: it only forgets its copies.
+  if (fork_generation_ != fork_generation()) {
+    block_ = nullptr;
+    done_ = nullptr;
+    return;
+  }
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  release_resources();
 }
 
 }  // namespace commlab

@@ -21,6 +21,7 @@
 // deadlock; commlab/ipc.py sends them through host-staged shared memory instead.
 #pragma once
 
+#include <cuda_runtime_api.h>
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -55,11 +56,17 @@ class IpcComm {
   int64_t max_blocks() const { return max_blocks_; }
   void set_max_blocks(int64_t n);
   int64_t calls() const { return static_cast<int64_t>(seq_); }
+  // Tests of flag wrap-around start a communicator far into its life.
+  void set_calls(int64_t n) { seq_ = static_cast<uint64_t>(n); }
   // Group rank this rank lost (waited for in vain, directly or through a peer), or -1.
   int64_t failed_peer() const { return failed_peer_; }
 
  private:
   void check_usable() const;
+  void release_resources();
+  // Waits for this call's kernels; a signal on the main thread (Ctrl-C) stops them.
+  void wait_done(cudaStream_t stream);
+  void stop_if_signalled();
 
   int rank_;
   int world_;
@@ -74,9 +81,13 @@ class IpcComm {
   std::vector<bool> opened_;      // which peers_ came from cudaIpcOpenMemHandle
   void* error_host_ = nullptr;    // host-mapped IpcError
   void* error_dev_ = nullptr;
+  int* abort_host_ = nullptr;     // pinned source of the word that stops our kernels
+  cudaStream_t side_ = nullptr;   // non-blocking stream for that write
+  cudaEvent_t done_ = nullptr;    // recorded after a call's kernels
   bool connected_ = false;
   std::string broken_;
-  uint32_t seq_ = 0;
+  uint64_t seq_ = 0;              // calls so far: 64-bit like the flags
+  uint64_t fork_generation_ = 0;
   int failed_peer_ = -1;
 };
 

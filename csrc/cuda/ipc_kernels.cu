@@ -12,20 +12,20 @@ namespace {
 // Lives at the start of each rank's block. Peers write their arrival into our slots
 // (slot [block][peer]); we only read them. `abort` says whom this rank gave up on.
 struct Signal {
-  alignas(128) uint32_t start[kMaxBlocks][kMaxRanks];
-  alignas(128) uint32_t mid[kMaxBlocks][kMaxRanks];
-  alignas(128) int abort;  // 0, or 1 + the group rank this rank stopped waiting for
+  alignas(128) uint64_t start[kMaxBlocks][kMaxRanks];
+  alignas(128) uint64_t mid[kMaxBlocks][kMaxRanks];
+  alignas(128) int abort;  // see kAbortLost / kAbortInterrupted
   alignas(128) int64_t info[2][3];  // by call parity: seq, numel, call_code
 };
 static_assert(sizeof(Signal) <= kSignalBytes, "signal area too small");
 
-__device__ __forceinline__ void st_release(uint32_t* addr, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%1], %0;" ::"r"(v), "l"(addr) : "memory");
+__device__ __forceinline__ void st_release(uint64_t* addr, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%1], %0;" ::"l"(v), "l"(addr) : "memory");
 }
 
-__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* addr) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+__device__ __forceinline__ uint64_t ld_acquire(const uint64_t* addr) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(addr) : "memory");
   return v;
 }
 
@@ -52,24 +52,34 @@ __device__ bool barrier(const Launch& a, int which) {
     Signal* peer = reinterpret_cast<Signal*>(a.blocks[t]);
     Signal* self = reinterpret_cast<Signal*>(a.blocks[a.rank]);
     st_release(which == 0 ? &peer->start[blockIdx.x][a.rank] : &peer->mid[blockIdx.x][a.rank], a.seq);
-    const uint32_t* in = which == 0 ? &self->start[blockIdx.x][t] : &self->mid[blockIdx.x][t];
+    const uint64_t* in = which == 0 ? &self->start[blockIdx.x][t] : &self->mid[blockIdx.x][t];
     uint64_t t0 = 0;
     for (uint32_t spins = 1;; ++spins) {
-      const uint32_t seen = ld_acquire(in);
-      if (static_cast<int32_t>(seen - a.seq) >= 0) break;
-      if ((spins & 255) != 0) continue;
-      __nanosleep(200);
-      const uint64_t now = global_ns();
-      if (t0 == 0) t0 = now;
-      const int peer_abort = ld_volatile(&peer->abort);
-      const bool expired = now - t0 > a.timeout_ns;
-      if (!expired && peer_abort == 0 && ld_volatile(&self->abort) == 0) continue;
-      // The first give-up of this rank records why; other blocks just leave.
-      if (atomicCAS(&self->abort, 0, t + 1) == 0) {
+      const uint64_t seen = ld_acquire(in);
+      int peer_abort = 0;
+      bool expired = false;
+      if (seen >= a.seq) {  // this call or later; 64 bits never wrap
+        // A peer that arrived and then gave up fails this call here too.
+        peer_abort = ld_volatile(&peer->abort);
+        if (peer_abort == 0) break;
+      } else {
+        if ((spins & 255) != 0) continue;
+        __nanosleep(200);
+        const uint64_t now = global_ns();
+        if (t0 == 0) t0 = now;
+        peer_abort = ld_volatile(&peer->abort);
+        expired = now - t0 > a.timeout_ns;
+        if (!expired && peer_abort == 0 && ld_volatile(&self->abort) == 0) continue;
+      }
+      // The first give-up of this rank records why (passing a peer's mismatch or
+      // interruption on as such); other blocks just leave.
+      const bool pass_on = !expired && (peer_abort & (kAbortMismatch | kAbortInterrupted));
+      const int mark = pass_on ? peer_abort : (kAbortLost | (t + 1));
+      if (atomicCAS(&self->abort, 0, mark) == 0) {
         a.err->peer = t;
         a.err->barrier = which;
         a.err->relayed = peer_abort != 0 && !expired;
-        a.err->lost = peer_abort - 1;
+        a.err->peer_abort = peer_abort;
         a.err->seq = a.seq;
         a.err->seen = seen;
         __threadfence_system();
@@ -93,9 +103,9 @@ __device__ bool same_call(const Launch& a) {
     const int t = threadIdx.x;
     const volatile int64_t* info = reinterpret_cast<Signal*>(a.blocks[t])->info[a.seq & 1];
     const int64_t seq = info[0], numel = info[1], code = info[2];
-    if (seq != a.seq || numel != a.numel || code != a.code) {
+    if (seq != static_cast<int64_t>(a.seq) || numel != a.numel || code != a.code) {
       Signal* self = reinterpret_cast<Signal*>(a.blocks[a.rank]);
-      if (atomicCAS(&self->abort, 0, t + 1) == 0) {
+      if (atomicCAS(&self->abort, 0, kAbortMismatch | (t + 1)) == 0) {
         a.err->peer = t;
         a.err->seq = a.seq;
         a.err->mismatch = 1;
@@ -125,7 +135,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) allreduce_kernel(Launch a) {
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     volatile int64_t* mine = reinterpret_cast<Signal*>(a.blocks[a.rank])->info[a.seq & 1];
-    mine[0] = a.seq;
+    mine[0] = static_cast<int64_t>(a.seq);
     mine[1] = a.numel;
     mine[2] = a.code;
   }
@@ -186,6 +196,8 @@ cudaError_t launch_allreduce(DType dtype, const Launch& a, cudaStream_t stream) 
     return cudaGetLastError();
   });
 }
+
+int* abort_word(char* block) { return &reinterpret_cast<Signal*>(block)->abort; }
 
 }  // namespace ipc
 }  // namespace commlab
