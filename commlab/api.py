@@ -32,8 +32,11 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, *, algorithm: str = "ri
     if not isinstance(tensor, torch.Tensor):
         raise UnsupportedError(f"commlab: all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
     plan = _plan(tensor, op, group, algorithm)
-    if not async_op and plan.lane.idle():
-        plan.execute(tensor)
+    if not async_op and plan.lane.try_inline():
+        try:
+            plan.execute(tensor)
+        finally:
+            plan.lane.end_inline()
         return None
     return plan.lane.submit(lambda: plan.execute(tensor), tensor, async_op)
 

@@ -1,6 +1,6 @@
 """DDP communication hooks for every registered algorithm.
 
-    state = commlab.hooks.CommState(algorithm="shm")           # collective: same order on all ranks
+    state = commlab.hooks.CommState(algorithm="shm")           # may come before init_process_group
     commlab.hooks.register(ddp_model, state)                    # validates, then register_comm_hook
     ...
     state.stats()                                               # per-bucket and per-iteration timings
@@ -9,9 +9,17 @@ The hook never blocks backward: it hands the bucket to the state's communication
 thread and returns a Future that thread completes, so buckets reduce while autograd
 keeps computing. The state owns a process group of its own (same ranks), so its
 point-to-point traffic can never interleave with DDP's internal collectives.
+
+The rule for states, like torch.distributed.new_group's: every rank of the job
+creates the same CommStates in the same order, non-members of a sub-group too (their
+copy is inert). A state binds its group on first use (register() or the first
+bucket) or at creation when torch.distributed is already up; binding compares every
+rank's state through the job's store first, so a state made by some ranks only is a
+CollectiveMismatchError on every rank, not a job-wide hang in the next new_group.
 """
 
 
+import json
 import queue
 import threading
 import time
@@ -21,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import algorithms, api
-from .errors import CommlabError, UnsupportedError
+from .errors import CollectiveMismatchError, CommlabError, UnsupportedError
 
 _COMPRESS = (None, torch.float16, torch.bfloat16)
 
@@ -37,28 +45,99 @@ class _Iteration:
     last_done: float | None = None
 
 
+_bind_lock = threading.Lock()
+_bindings = 0  # states bound by this process so far: the handshake's key
+
+
+def _agree_on_group(ranks: list[int] | None, algorithm: str) -> list[int]:
+    """Every rank posts the ranks its next state is for (None: a non-member that does
+    not know them) under the same index; all must agree, or all raise."""
+    global _bindings
+    _bindings += 1
+    index = _bindings
+    store = dist.distributed_c10d._get_default_store()
+    me, world = dist.get_rank(), dist.get_world_size()
+    store.set(f"commlab/commstate/{index}/{me}", json.dumps([ranks, algorithm]))
+    keys = [f"commlab/commstate/{index}/{r}" for r in range(world)]
+    store.wait(keys)
+    posted = [json.loads(store.get(k)) for k in keys]
+    known = {tuple(r) for r, _ in posted if r is not None}
+    if len(known) != 1:
+        detail = "; ".join(f"rank {q}: {'a non-member (ranks unknown)' if r is None else r} ({a})"
+                           for q, (r, a) in enumerate(posted))
+        raise CollectiveMismatchError(
+            f"commlab.hooks: CommState #{index} was created for different groups: {detail}. Every rank of the job "
+            "creates the same CommStates in the same order, non-members of a sub-group too (as "
+            "torch.distributed.new_group requires); pass the sub-group's ranks as group=[...] where a rank has "
+            "no group object for it")
+    return list(known.pop())
+
+
 class CommState:
+    """State of commlab's DDP hooks: the algorithm, its own process group and the
+    communication thread. `group`: the ranks to serve (a process group, or a list of
+    global ranks; default: every rank)."""
+
     def __init__(self, algorithm: str = "ring", group=None, compress: torch.dtype | None = None, *,
                  device: torch.device | str | None = None, keep_iterations: int = 1000):
         self.algorithm = algorithms.get(algorithm).name
         if compress not in _COMPRESS:
             raise UnsupportedError(f"commlab.hooks: compress must be None, torch.float16 or torch.bfloat16, got {compress}")
         self.compress = compress
-        if not dist.is_initialized():
-            raise CommlabError("commlab.hooks: initialize torch.distributed before creating a CommState")
-        parent = group if group is not None else dist.group.WORLD
-        ranks = dist.get_process_group_ranks(parent)
-        # Collective: every rank of the parent group creates its CommStates in the same order.
-        self.process_group = dist.new_group(ranks)
-        self.world_size = len(ranks)
         if device is not None:
             self.check_device(torch.device(device))
+        self._parent = group
         self._keep = keep_iterations
         self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
         self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name=f"commlab-hook-{self.algorithm}", daemon=True)
-        self._thread.start()
+        self._streams: dict = {}
+        self._checked: set = set()
+        self.process_group = None
+        self.ranks: list[int] | None = None
+        self.world_size: int | None = None
+        self.member = False
+        self.bound = False
         self.reset_stats()
+        if dist.is_available() and dist.is_initialized():
+            self.bind()
+
+    def bind(self) -> None:
+        """Create the state's own process group (collective over every rank of the job,
+        in state order; a no-op once bound)."""
+        if self.bound:
+            return
+        with _bind_lock:
+            if self.bound:
+                return
+            if not (dist.is_available() and dist.is_initialized()):
+                raise CommlabError("commlab.hooks: a CommState binds on first use, and torch.distributed is not "
+                                   "initialized yet: call dist.init_process_group first")
+            ranks = _agree_on_group(self._parent_ranks(), self.algorithm)
+            pg = dist.new_group(ranks)
+            self.ranks, self.world_size = ranks, len(ranks)
+            self.member = pg != dist.GroupMember.NON_GROUP_MEMBER
+            self.process_group = pg if self.member else None
+            if self.member:
+                self._thread = threading.Thread(target=self._loop, name=f"commlab-hook-{self.algorithm}", daemon=True)
+                self._thread.start()
+            self.bound = True
+
+    def _parent_ranks(self) -> list[int] | None:
+        g = self._parent
+        if g is None:
+            return list(range(dist.get_world_size()))
+        if isinstance(g, (list, tuple)):
+            return sorted(int(r) for r in g)
+        if g == dist.GroupMember.NON_GROUP_MEMBER:
+            return None  # the members post the ranks
+        return sorted(dist.get_process_group_ranks(g))
+
+    def _require_member(self) -> None:
+        self.bind()
+        if not self.member:
+            raise UnsupportedError(f"commlab.hooks: rank {dist.get_rank()} is not a member of this state's group "
+                                   f"{self.ranks}: its copy of the state is inert")
 
     # -- validation -------------------------------------------------------------------------
     def check_device(self, device: torch.device) -> None:
@@ -129,36 +208,60 @@ class CommState:
                 self._done.append(it)
                 del self._done[: -self._keep]
 
+    def _ready_for(self, buf: torch.Tensor) -> None:
+        """First bucket of a device: bind (a state registered by hand, as Lightning does)
+        and refuse gradients the algorithm cannot serve here, synchronously, where DDP
+        shows the error as raised (an error through a Future reaches it garbled)."""
+        key = buf.device.type
+        if key not in self._checked:
+            self._require_member()
+            self.check_device(buf.device)
+            self._checked.add(key)
+
+    def _stream(self, device: torch.device):
+        """The CUDA stream this state communicates on for `device` (one per device)."""
+        s = self._streams.get(device.index)
+        if s is None:
+            s = self._streams[device.index] = torch.cuda.Stream(device)
+        return s
+
     def submit(self, bucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
-        fut: torch.futures.Future = torch.futures.Future()
+        self._ready_for(buf)
         it = self._begin(bucket)
         index = bucket.index()
-        stream = torch.cuda.current_stream(buf.device) if buf.is_cuda else None
-        if stream is not None:
-            # The comm thread must see the gradients the backward stream produced.
+        if buf.is_cuda:
+            # CUDA semantics: the work runs on the state's stream after the bucket's
+            # producer stream, and the Future carries that stream to whoever waits on it.
+            fut = torch.futures.Future(devices=[buf.device])
             ready = torch.cuda.Event()
-            ready.record(stream)
+            ready.record(torch.cuda.current_stream(buf.device))
+            stream = self._stream(buf.device)
         else:
-            ready = None
+            fut, ready, stream = torch.futures.Future(), None, None
 
         def job() -> None:
             t0 = time.perf_counter()
+            error = None
             try:
-                if ready is not None:
-                    ready.synchronize()
-                self._reduce(buf)
-                error = None
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        stream.wait_event(ready)
+                        self._reduce(buf)
+                        stream.synchronize()  # the bucket time is the work's, not its launch's
+                else:
+                    self._reduce(buf)
             except BaseException as e:  # noqa: BLE001 - delivered through the Future
                 error = e
             self._finish(it, index, buf.numel() * buf.element_size(), t0, time.perf_counter())
-            if error is None:
-                fut.set_result(buf)
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    _complete(fut, buf, error)
             else:
-                fut.set_exception(error)
+                _complete(fut, buf, error)
 
         self._jobs.put(job)
-        return fut
+        return fut.then(_unwrap)
 
     def _reduce(self, buf: torch.Tensor) -> None:
         """buf <- mean over ranks, in place, dividing first so fp16 cannot overflow."""
@@ -173,14 +276,41 @@ class CommState:
 
     def close(self) -> None:
         """Stop the communication thread and free the state's own process group."""
-        self._jobs.put(None)
-        self._thread.join(5)
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(5)
+            self._thread = None
         pg, self.process_group = self.process_group, None
         if pg is not None and dist.is_initialized() and pg in dist.distributed_c10d._world.pg_map:
             dist.destroy_process_group(pg)
 
-    def __getstate__(self):  # DDP pickles nothing, but make misuse obvious
-        raise TypeError("CommState holds a process group and a thread; it cannot be pickled")
+    def __getstate__(self):
+        # An unbound state is plain settings: launchers that spawn ranks (Lightning's
+        # spawn) may pickle it. A bound one holds a process group and a thread.
+        if self.bound:
+            raise TypeError("a bound CommState holds a process group and a thread; it cannot be pickled")
+        state = dict(self.__dict__)
+        for k in ("_lock", "_jobs"):
+            state.pop(k)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._jobs = queue.Queue()
+
+
+def _complete(fut: torch.futures.Future, buf: torch.Tensor, error: BaseException | None) -> None:
+    if error is None:
+        fut.set_result(buf)
+    else:
+        fut.set_exception(error)
+
+
+def _unwrap(fut: torch.futures.Future) -> torch.Tensor:
+    # Through then(), an error becomes the child Future's C++ error, which DDP reports
+    # with the message; a Python Future's exception would reach DDP as "Unable to cast".
+    return fut.value()
 
 
 def allreduce_hook(state: CommState, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -192,11 +322,14 @@ def blocking_allreduce_hook(state: CommState, bucket) -> torch.futures.Future[to
     """The same reduction done inside the hook, blocking backward: the baseline that
     shows what overlap buys (benchmarks only)."""
     buf = bucket.buffer()
+    state._ready_for(buf)
     it = state._begin(bucket)
     t0 = time.perf_counter()
     state._reduce(buf)
+    if buf.is_cuda:
+        torch.cuda.current_stream(buf.device).synchronize()
     state._finish(it, bucket.index(), buf.numel() * buf.element_size(), t0, time.perf_counter())
-    fut: torch.futures.Future = torch.futures.Future()
+    fut: torch.futures.Future = torch.futures.Future(devices=[buf.device]) if buf.is_cuda else torch.futures.Future()
     fut.set_result(buf)
     return fut
 
@@ -209,8 +342,13 @@ def noop_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
 
 
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel, state: CommState, hook=allreduce_hook) -> None:
-    """Validate that the state's algorithm can serve the model's gradients, then register."""
+    """Validate that the state can serve the model (device, group), bind it, register."""
     devices = {p.device for p in ddp_model.parameters()}
     for d in devices:
         state.check_device(d)
+    state._require_member()
+    model_ranks = sorted(dist.get_process_group_ranks(ddp_model.process_group))
+    if model_ranks != state.ranks:
+        raise UnsupportedError(f"commlab.hooks: the state serves ranks {state.ranks} but the model's DDP group has "
+                               f"ranks {model_ranks}: pass group= the model's process group")
     ddp_model.register_comm_hook(state, hook)

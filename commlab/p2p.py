@@ -10,8 +10,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .errors import PeerError
+from . import groups
+from .errors import CommlabError, PeerError
 from .groups import GroupInfo
+
+# Per group: the first failed transfer. Receives and sends of a failed step stay posted
+# in the backend, so a retry on the same group could pair with that stale traffic:
+# the group's point-to-point use ends there, with a clear error.
+_failures = groups.PerGroup(lambda g: {"error": None})
 
 
 class Step:
@@ -52,10 +58,15 @@ class P2P:
     def __init__(self, info: GroupInfo, algorithm: str):
         self.info = info
         self.algorithm = algorithm
+        self._failure = _failures.get(info.group)
 
     def post(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> Step:
         """Post sends then receives (peers are group ranks). Empty tensors are skipped on
         both sides, which both sides know from the sizes alone."""
+        if self._failure["error"] is not None:
+            raise CommlabError(f"commlab[{self.algorithm}]: this group's point-to-point traffic is unusable after a "
+                               f"failed transfer (a retry could pair with its stale messages; create a new group): "
+                               f"{self._failure['error']}")
         ops, meta, recv_pos = [], [], []
         g = self.info.group
         for t, peer in sends:
@@ -87,6 +98,12 @@ class P2P:
             raise self._error(meta, TimeoutError(f"no completion within {self.info.timeout}"))
 
     def _error(self, meta: list[tuple[str, int]], cause: BaseException) -> PeerError:
+        error = self._describe(meta, cause)
+        if self._failure["error"] is None:
+            self._failure["error"] = str(error)
+        return error
+
+    def _describe(self, meta: list[tuple[str, int]], cause: BaseException) -> PeerError:
         peers = sorted({p for _, p in meta})
         what = ", ".join(f"{kind} rank {self.info.global_rank(p)}" for kind, p in meta[:4])
         peer = self.info.global_rank(peers[0]) if len(peers) == 1 else None

@@ -227,3 +227,100 @@ def test_readme_documents_every_algorithm():
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     for name in commlab.algorithm_names():
         assert f"| `{name}` |" in readme, f"README's algorithm table lacks {name}"
+
+
+def inline_call_admitted_before_an_async_one(rank, p):
+    """Thread A's blocking ring call is admitted to run inline; thread B queues an async
+    call while A is still inside its algorithm (rank 1 starts A late, so A waits). B must
+    run after A, not beside it on the lane thread: interleaved steps on one group pair
+    each other's messages."""
+    import threading
+    import time
+
+    from commlab import lanes
+
+    g = dist.new_group(list(range(p)))
+    alg = commlab.get_algorithm("ring")
+    entered = threading.Event()
+    real_run = type(alg).run
+    active = {"now": 0, "max": 0}
+    lock = threading.Lock()
+
+    def run(self, buf, op, ctx):
+        with lock:
+            active["now"] += 1
+            active["max"] = max(active["max"], active["now"])
+        entered.set()
+        try:
+            real_run(self, buf, op, ctx)
+        finally:
+            with lock:
+                active["now"] -= 1
+
+    # The caller of a blocking call may be descheduled right after the admission check.
+    admit = getattr(lanes._Lane, "try_inline", None) or getattr(lanes._Lane, "idle")
+
+    def slow_admit(self):
+        ok = admit(self)
+        time.sleep(0.05)
+        return ok
+
+    mp_ = pytest.MonkeyPatch()
+    mp_.setattr(type(alg), "run", run)
+    mp_.setattr(lanes._Lane, admit.__name__, slow_admit)
+    try:
+        a = torch.full((20_000,), float(rank + 1))
+        b = torch.full((20_000,), 100.0 * (rank + 1))
+        works = {}
+
+        def thread_b():
+            entered.wait(10)
+            works["b"] = commlab.all_reduce(b, group=g, algorithm="ring", async_op=True)
+
+        tb = threading.Thread(target=thread_b)
+        tb.start()
+        if rank == 1:
+            time.sleep(0.3)
+        commlab.all_reduce(a, group=g, algorithm="ring")
+        tb.join(10)
+        works["b"].wait()
+    finally:
+        mp_.undo()
+    dist.destroy_process_group(g)
+    total = sum(range(1, p + 1))
+    return {"a": a.unique().tolist(), "b": b.unique().tolist(), "overlap": active["max"], "want": total}
+
+
+def test_a_blocking_call_admitted_inline_is_never_overtaken(ranks):
+    for r in ranks.run(2, inline_call_admitted_before_an_async_one):
+        assert r["overlap"] == 1, r
+        assert r["a"] == [float(r["want"])] and r["b"] == [100.0 * r["want"]], r
+
+
+def wait_with_timeout(rank, p):
+    import time
+
+    g = dist.new_group(list(range(p)))
+    x = torch.full((1000,), float(rank + 1))
+    if rank == 1:
+        time.sleep(1.5)
+    w = commlab.all_reduce(x, group=g, algorithm="ring", async_op=True)
+    out = {}
+    t0 = time.monotonic()
+    try:
+        w.wait(timeout=0.3)
+        out["timeout"] = None if rank == 0 else "completed"
+    except commlab.CommlabError as e:
+        out["timeout"] = str(e)
+    out["timeout_s"] = time.monotonic() - t0
+    w.wait()  # the work itself goes on and completes
+    out["x"] = x.unique().tolist()
+    dist.destroy_process_group(g)
+    return out
+
+
+def test_work_wait_honours_its_timeout(ranks):
+    r0, r1 = ranks.run(2, wait_with_timeout)
+    assert r0["timeout"] and "within 0.3 s" in r0["timeout"], r0
+    assert r0["timeout_s"] < 1.0, r0
+    assert r0["x"] == r1["x"] == [3.0]

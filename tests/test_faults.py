@@ -261,3 +261,36 @@ def test_rank_killed_inside_a_collective(algorithm):
         assert payload["after_kill_s"] < 10 + 5, payload  # the group's timeout plus a margin
         assert payload["leftovers"] == [], payload
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("commlab-")]
+
+
+def retry_after_timeout(rank, p):
+    """Rank 0's call times out (rank 1 is late); its receives stay posted in gloo, so a
+    retry on the group could pair with rank 1's late traffic. The retry must refuse."""
+    import datetime
+
+    g = dist.new_group(list(range(p)), timeout=datetime.timedelta(seconds=2))
+    x = torch.full((5000,), float(rank + 1))
+    out = {}
+    if rank == 1:
+        time.sleep(3)
+    for name in ("first", "retry"):
+        t0 = time.monotonic()
+        try:
+            commlab.all_reduce(x, group=g, algorithm="ring")
+            out[name] = ("ok", x.unique().tolist())
+        except commlab.CommlabError as e:
+            out[name] = (type(e).__name__, str(e)[:300], round(time.monotonic() - t0, 2))
+        if rank == 1:
+            break
+    return out
+
+
+def test_a_group_whose_transfer_failed_refuses_reuse():
+    pool = RankPool(2, pg_timeout_s=10)
+    res = pool.run_faulty(retry_after_timeout, timeout=60)
+    (s0, r0), (s1, r1) = res[0], res[1]
+    assert s0 == "ok" and s1 == "ok", res
+    assert r0["first"][0] == "PeerError", r0
+    assert r0["retry"][0] == "CommlabError" and "unusable after a failed transfer" in r0["retry"][1], r0
+    assert r0["retry"][2] < 0.5, r0  # refused at once, nothing posted
+    assert r1["first"][0] == "PeerError", r1  # the late rank finds no partner: an error, never a pairing
