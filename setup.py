@@ -1,24 +1,76 @@
 """Build commlab and its native extension commlab._C.
 
-The pytorch/extension-cpp pattern: C++ sources always, CUDA sources when both a CUDA
-toolkit and a CUDA build of torch are present (COMMLAB_NO_CUDA=1 skips them).
-Build against the installed torch: pip install --no-build-isolation -e .
+The pytorch/extension-cpp pattern: C++ sources always, CUDA sources when a CUDA build
+of torch and a usable CUDA toolkit (nvcc and cuda_runtime.h) are both present
+(COMMLAB_NO_CUDA=1 skips them). Build against the installed torch:
+pip install --no-build-isolation -e .
 """
 import glob
 import os
+import shutil
+import subprocess
+import sys
 
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
-import torch
 
-VERSION = "0.1.0"
-HERE = os.path.dirname(os.path.abspath(__file__))
+
+def _usable(root: str | None) -> bool:
+    return bool(root) and os.path.isfile(os.path.join(root, "bin", "nvcc")) and \
+        os.path.isfile(os.path.join(root, "include", "cuda_runtime.h"))
+
+
+def _nvcc_root(nvcc: str) -> str | None:
+    """Where an nvcc on PATH really lives: it may be a wrapper script in /usr/local/bin,
+    whose parent torch would take for the toolkit (no headers there)."""
+    try:
+        out = subprocess.run([nvcc, "-v", "--dryrun", "x.cu"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in (out.stdout + out.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            return os.path.normpath(line.split("=", 1)[1].strip())  # TOP is <root>/bin/..
+    return None
+
+
+def cuda_toolkit() -> str | None:
+    """A usable toolkit's root, or None. An explicit CUDA_HOME / CUDA_PATH is the user's
+    word: if it holds no toolkit, the build is C++ only (never a failed build)."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(var)
+        if root:
+            if _usable(root):
+                return root
+            print(f"commlab: {var}={root} holds no CUDA toolkit (bin/nvcc, include/cuda_runtime.h): "
+                  "building the C++ sources only", file=sys.stderr)
+            return None
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates += [_nvcc_root(nvcc), os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))]
+    candidates.append("/usr/local/cuda")
+    return next((c for c in candidates if _usable(c)), None)
 
 
 def want_cuda() -> bool:
     if os.environ.get("COMMLAB_NO_CUDA", "0") == "1":
         return False
-    return torch.version.cuda is not None and CUDA_HOME is not None
+    import torch
+
+    if torch.version.cuda is None:
+        return False
+    root = cuda_toolkit()
+    if root is None:
+        print("commlab: no CUDA toolkit found: building the C++ sources only", file=sys.stderr)
+        return False
+    os.environ["CUDA_HOME"] = root  # before torch.utils.cpp_extension reads it
+    return True
+
+
+WITH_CUDA = want_cuda()
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+VERSION = "0.1.0"
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def extension():
@@ -28,7 +80,7 @@ def extension():
     # vectorized paths are chosen at run time.
     cxx = ["-O3", f'-DCOMMLAB_VERSION="{VERSION}"']
     define = []
-    if want_cuda():
+    if WITH_CUDA:
         nvcc = ["-O3", f'-DCOMMLAB_VERSION="{VERSION}"', "-DCOMMLAB_WITH_CUDA"]
         if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
             # Ampere through Hopper plus PTX, so the build needs no GPU to pick targets.

@@ -58,6 +58,7 @@ def _helper(rank: int, world_size: int, port: int) -> None:
             buf = torch.zeros(max(b // 4, 1), dtype=torch.float32)
             for _ in range(calls):
                 commlab.all_reduce(buf, algorithm=names[a])
+            commlab.all_reduce(checked_input(rank, b), algorithm=names[a])  # BenchGroup.check's call
         else:
             _ddp_steps(rank, HOOKS[a], names[b], calls)
     launch.leave()
@@ -99,6 +100,10 @@ def ddp_step(rank: int, hook: str, algorithm: str):
     return step, close
 
 
+def checked_input(rank: int, nbytes: int) -> torch.Tensor:
+    return torch.full((max(nbytes // 4, 1),), float(rank + 1), dtype=torch.float32)
+
+
 class BenchGroup:
     def __init__(self, world_size: int):
         import commlab
@@ -117,6 +122,18 @@ class BenchGroup:
         """Tell the helpers what comes next; returns rank 0's buffer."""
         _plan([ALLREDUCE, self.names.index(algorithm), nbytes, calls])
         return torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
+
+    def check(self, algorithm: str, nbytes: int) -> torch.Tensor:
+        """One more call after the timed ones, on inputs whose sum is known (rank r
+        contributes r + 1): rank 0's result, to compare with checked_sum()."""
+        x = checked_input(0, nbytes)
+        import commlab
+
+        commlab.all_reduce(x, algorithm=algorithm)
+        return x
+
+    def checked_sum(self) -> float:
+        return float(sum(range(1, self.world_size + 1)))
 
     def prepare_ddp(self, hook: str, algorithm: str, calls: int):
         """(step, close) for rank 0; the helpers run the same `calls` steps."""

@@ -1,6 +1,7 @@
 """pytest bench/ --benchmark-only: each algorithm x {4 KiB, 1 MiB, 16 MiB} on a
 persistent 4-rank gloo group; busbw (nccl-tests definition) in extra_info."""
 import pytest
+import torch
 
 import commlab
 from commlab.algorithms import Algorithm, for_device
@@ -20,8 +21,12 @@ def test_allreduce(benchmark, bench_group, algorithm, size):
     benchmark.group = f"allreduce {size}"
     benchmark.pedantic(commlab.all_reduce, args=(buf,), kwargs={"algorithm": algorithm},
                        rounds=rounds, iterations=1, warmup_rounds=warmup)
+    # The timed calls reduce zeros; one more call on known inputs checks the algorithm
+    # (and that every rank made exactly the planned number of calls: a rank out of step
+    # would pair this call with a timed one and the sum would differ).
+    got = bench_group.check(algorithm, nbytes)
+    assert torch.equal(got, torch.full_like(got, bench_group.checked_sum())), (algorithm, size)
     if benchmark.disabled:
-        assert float(buf.sum()) == 0.0
         return
     t = benchmark.stats.stats.median
     p = bench_group.world_size

@@ -53,7 +53,7 @@ def registry_rows(names: list[str], device_type: str) -> list[Row]:
     return rows
 
 
-def mpi_row(dtype: torch.dtype) -> Row | None:
+def mpi_row(dtype: torch.dtype, device_type: str = "cpu") -> Row | None:
     """MPI_Allreduce through mpi4py, as an external anchor in the same run; only when
     mpiexec launched us (importing mpi4py elsewhere makes a 1-rank MPI world)."""
     if launch.active().kind != "mpi" or dtype in (torch.float16, torch.bfloat16):
@@ -72,6 +72,14 @@ def mpi_row(dtype: torch.dtype) -> Row | None:
         if op is Op.AVG:
             finish_average_(t, comm.Get_size())
 
+    def staged(t: torch.Tensor, op: Op) -> None:
+        # mpi4py takes host buffers (a CUDA-aware MPI is not assumed): through the host.
+        host = t.cpu()
+        call(host, op)
+        t.copy_(host)
+
+    if device_type == "cuda":
+        return Row("mpi:host-staged", staged)
     return Row("mpi", call)
 
 
@@ -107,19 +115,20 @@ def run_bench(args) -> dict | None:
     for n in names:
         algorithms.get(n)  # unknown names fail here, on every rank alike
     rows = registry_rows(names, device.type)
-    anchor = mpi_row(dtype)
+    anchor = mpi_row(dtype, device.type)
     if anchor is not None:
         rows.append(anchor)
     sizes = size_list(args)
     env = envinfo.collect(device)
     env["gamma_us_per_byte"] = costmodel.measure_gamma_us_per_byte(dtype, device)
-    if device.type == "cpu":
-        # Shared memory moves data in 1 MiB pieces that stay in cache between phases, so
-        # its floor uses the cache-resident copy rate; the DRAM rate is reported beside it.
-        env["memcpy_gbps"] = costmodel.measure_memcpy_gbps(1 << 20, repeats=50)
-        env["memcpy_dram_gbps"] = costmodel.measure_memcpy_gbps(64 << 20)
+    if device.type == "cpu" and any(algorithms.get(r.name).memory_traffic(p, 1 << 20) is not None
+                                    for r in rows if r.name in algorithms.names()):
+        # Memory-bound transports get a floor: the bandwidth every rank gets with all
+        # ranks streaming at once, at each size's working set and at a cache-sized one.
         env["cores"] = len(os.sched_getaffinity(0))
-        env["llc_bytes"] = costmodel.last_level_cache_bytes()
+        env["group_bandwidth_gbps"] = {str(n): costmodel.measure_group_bandwidth_gbps(n)
+                                       for n in sizes if n >= FLOOR_MIN_BYTES}
+        env["group_bandwidth_fast_gbps"] = costmodel.measure_group_bandwidth_gbps(costmodel.FAST_WORKING_SET)
     results = []
     progress = Progress(len(sizes) * len(rows) * max(1, args.rounds),
                         enabled=(rank == 0 and sys.stderr.isatty() and not args.quiet))
@@ -222,29 +231,33 @@ def report(doc: dict) -> str:
     return "\n".join(lines)
 
 
+FLOOR_MIN_BYTES = 1 << 20  # below this, synchronisation, not memory, bounds the time
+
+
 def floor_lines(results: list[dict], env: dict) -> list[str]:
-    """Memory-bound transports against their floor: the bytes each rank must read and
-    write, at the measured memcpy bandwidth, with ranks sharing the cores."""
-    if "memcpy_gbps" not in env:
+    """Memory-bound transports against their floor (costmodel.memory_floor_us), with
+    rates measured in this run with every rank streaming at once."""
+    rates = env.get("group_bandwidth_gbps")
+    if not rates:
         return []
-    p, out = env["world_size"], []
-    llc = env.get("llc_bytes")
+    p, fast, out = env["world_size"], env["group_bandwidth_fast_gbps"], []
     for r in results:
-        if r["algorithm"] not in algorithms.names() or r["bytes"] < (1 << 20):
+        rate = rates.get(str(r["bytes"]))
+        if r["algorithm"] not in algorithms.names() or rate is None:
             continue
         traffic = algorithms.get(r["algorithm"]).memory_traffic(p, r["bytes"])
         if traffic is None:
             continue
-        floor = costmodel.memory_floor_us(traffic, p, r["bytes"], env["memcpy_gbps"], env["memcpy_dram_gbps"],
-                                          env["cores"], llc)
-        where = "cache" if llc is not None and p * r["bytes"] <= llc else "DRAM"
-        out.append(f"#   {r['algorithm']:>11} {format_bytes(r['bytes']):>5}: memory floor {floor:10.1f} us "
-                   f"(tensor {traffic.tensor / r['bytes']:.2f}n from {where}, staging "
-                   f"{traffic.staging / r['bytes']:.2f}n from cache) -> efficiency {floor / r['time_us'] * 100:5.1f}%")
+        floor = costmodel.memory_floor_us(traffic, rate, fast)
+        total = (traffic.tensor + traffic.staging) / r["bytes"]
+        out.append(f"#   {r['algorithm']:>11} {format_bytes(r['bytes']):>5}: floor {floor:10.1f} us (tensor "
+                   f"{traffic.tensor / r['bytes']:.2f}n at {rate:.1f} GB/s, or all {total:.2f}n at {fast:.1f} GB/s) "
+                   f"-> efficiency {floor / r['time_us'] * 100:5.1f}%")
     if out:
-        out.insert(0, f"# memory-traffic floor per rank, {p} ranks on {env['cores']} cores, at measured memcpy speeds "
-                      f"(read + write): cache {env['memcpy_gbps']:.1f} GB/s, DRAM {env['memcpy_dram_gbps']:.1f} GB/s, "
-                      f"last-level cache {format_bytes(llc) if llc else 'unknown'}:")
+        out.insert(0, f"# memory-traffic floor per rank ({p} ranks on {env['cores']} cores): the larger of the tensor's "
+                      "bytes at the bandwidth each rank gets with all ranks streaming a working set of that size at "
+                      "once, and all bytes at the bandwidth they get in 1 MiB working sets (best of read, copy and "
+                      "in-place passes, slowest rank, measured in this run):")
     return out
 
 

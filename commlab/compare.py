@@ -6,25 +6,12 @@
     python -m commlab.compare --device cuda --mem-limit-mb 24000 --find-max-batch   # a 24 GB card's limit
     python -m commlab.compare --device cpu --modes ddp,ddp:shm --bucket-cap-mb 1,5,25,100
 
-Modes: `dp` (nn.DataParallel, one process, GPUs only), `ddp` (DDP's own allreduce),
-`ddp:<algorithm>` (DDP through commlab's hook for that algorithm), `ddp:noop` (no
-communication: the compute-only floor). Every mode trains the same model from the
-same seed on the same synthetic data.
-
-Metric definitions (printed with the table):
-  iteration    wall time of one optimizer step (incl. accumulation micro-steps) of the
-               slowest rank; median and p90 after warm-up
-  throughput   global batch / median iteration
-  peak memory  CPU: peak RSS per rank (getrusage: the true peak, inside a step too);
-               GPU: max_memory_allocated per device after warm-up
-  utilization  CPU: process CPU time / wall time per rank (100 % = one core)
-  grad sync    DDP: from the hook statistics, per iteration: total = sum of bucket
-               all-reduce times, exposed = end of backward compute to the last bucket's
-               completion (the part that is not hidden behind backward). DP: one extra
-               iteration under torch.profiler, the busiest GPU's time in NCCL kernels
-               and peer copies (replicate, gradient reduce-add, scatter, gather); all
-               of it exposed, as DP communicates on the compute stream
-  final loss   mean over ranks of the last step's loss
+Modes: `dp` (nn.DataParallel, one process, GPUs only); `ddp` (DDP with its default
+reduction, made measurable: a comm hook that divides the bucket by the world size and
+calls dist.all_reduce on DDP's process group, as DDP's built-in allreduce hook does, and
+times each bucket); `ddp:<algorithm>` (DDP through commlab's hook for that algorithm);
+`ddp:noop` (no communication: the compute-only floor). Every mode trains the same model
+from the same seed on the same synthetic data.
 """
 from __future__ import annotations
 
@@ -44,7 +31,28 @@ import torch
 
 from . import algorithms
 
-DEFINITIONS = __doc__.split("Metric definitions (printed with the table):\n", 1)[1]
+# Printed with the table (a constant, not the docstring: python -OO strips docstrings).
+DEFINITIONS = """\
+  iteration    wall time of one optimizer step (incl. accumulation micro-steps) of the
+               slowest rank; median and p90 after warm-up
+  throughput   global batch / median iteration
+  peak memory  CPU: peak RSS per rank (getrusage: the true peak, inside a step too);
+               GPU: max_memory_allocated per device after warm-up
+  utilization  one metric per device type, the same for every mode: CPU: process CPU
+               time / wall time per rank (100 % = one core); GPU: NVML's GPU-busy
+               percentage per device, sampled at 20 Hz during the timed iterations
+               (needs nvidia-ml-py; '-' without it)
+  grad sync    DDP: from the hook statistics, per iteration: total = sum of bucket
+               all-reduce times, exposed = end of backward compute to the last bucket's
+               completion (the part that is not hidden behind backward). DP: one extra
+               iteration under torch.profiler, the busiest GPU's time in NCCL kernels
+               and peer copies (replicate, gradient reduce-add, scatter, gather); all
+               of it exposed, as DP communicates on the compute stream
+  final loss   mean over ranks of the last step's loss
+"""
+
+UTILIZATION_ROW = {"cpu": "utilization (%): CPU time / wall, per rank",
+                   "cuda": "utilization (%): NVML GPU busy, per device"}
 
 
 def default_modes(device: str) -> list[str]:
@@ -197,13 +205,19 @@ def _ddp_body(rank, world, port, mode, args):
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     times = []
+    sampler = _NvmlSampler([device.index]) if cuda else None  # one metric per device type, as DP's
+    if sampler is not None:
+        sampler.start()
     cpu0, wall0 = sum(proc.cpu_times()[:2]), time.perf_counter()
     loss = 0.0
     for i in range(args["warmup"], args["warmup"] + args["iters"]):
         t0 = time.perf_counter()
         loss = step(i)
         times.append(time.perf_counter() - t0)
-    util = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - wall0) * 100
+    if sampler is not None:
+        util = (sampler.stop() or [None])[0]
+    else:
+        util = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - wall0) * 100
     slowest = torch.tensor(times, dtype=torch.float64)
     mean_loss = torch.tensor([loss], dtype=torch.float64)
     if cuda and backend == "nccl":
@@ -501,7 +515,7 @@ class _NvmlSampler:
 
 # -- report --------------------------------------------------------------------------------------
 def _fmt_list(vals, fmt="{:.0f}"):
-    if not vals:
+    if not vals or any(v is None for v in vals):
         return "-"
     if len(set(round(v) for v in vals)) == 1:
         return fmt.format(vals[0]) + f" (x{len(vals)})"
@@ -527,7 +541,7 @@ def table(doc: dict) -> str:
     if base is not None:
         row(f"speed vs {base['mode']}", lambda m: f"{base['iter_ms']['median'] / m['iter_ms']['median']:.2f}x")
     row("peak memory (MB) per rank/device", lambda m: _fmt_list(m["peak_memory_mb"]))
-    row("utilization (%) per rank/device", lambda m: _fmt_list(m["util_percent"]))
+    row(UTILIZATION_ROW[doc["env"].get("device", "cpu")], lambda m: _fmt_list(m["util_percent"]))
     row("grad sync total (ms)", lambda m: "-" if m["grad_sync_ms"]["total"] is None else f"{m['grad_sync_ms']['total']:.1f}")
     row("grad sync exposed (ms)", lambda m: "-" if m["grad_sync_ms"]["exposed"] is None else f"{m['grad_sync_ms']['exposed']:.1f}")
     row("final loss", lambda m: f"{m['final_loss']:.5f}")
@@ -542,6 +556,7 @@ def table(doc: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m commlab.compare", description=__doc__,
+                                 epilog="Metric definitions:\n" + DEFINITIONS,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--world-size", type=int, default=None, help="DDP ranks (default: 4 on CPU, every GPU on CUDA)")
@@ -583,6 +598,12 @@ def main(argv=None) -> int:
     if a.model is None:
         args["model"] = "resnet50" if a.device == "cuda" else "mlp"
     world = a.world_size or (4 if a.device == "cpu" else (a.gpus or torch.cuda.device_count()))
+    if a.device == "cuda" and not a.share_gpu:
+        from .launch import check_gpus_per_rank
+
+        problem = check_gpus_per_rank(world, "nccl", torch.cuda.device_count())
+        if problem:
+            ap.error(problem + " (or pass --share-gpu for a functional check over gloo)")
     modes = all_modes(a.device) if a.modes == "all" else (a.modes.split(",") if a.modes else default_modes(a.device))
     from . import envinfo
 

@@ -96,52 +96,60 @@ def _nnls_target(A: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
-def measure_memcpy_gbps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
-    """Single-thread copy bandwidth, counting bytes read plus bytes written (best of
-    `repeats`). Small buffers measure cache, 64 MiB measures DRAM."""
+FAST_WORKING_SET = 1 << 20  # the staging buffers' size class: cache-resident
+
+
+def measure_group_bandwidth_gbps(nbytes: int, group=None, trials: int = 3) -> float:
+    """Collective: the memory bandwidth each rank gets while every rank of the group
+    streams over an nbytes working set at the same time, in GB/s (1e9 B) of bytes read
+    plus written. Three patterns, the fastest counts: read only (a sum), copy (half the
+    set to the other half) and in place (x += 1, what an all-reduce does to its tensor).
+    Each trial starts from a barrier and is timed by its slowest rank, as a collective is.
+    This bounds the rate any byte of an all-reduce's traffic can move at this working set
+    with these ranks on these cores, so traffic / rate is a floor."""
     import time
 
     import torch
+    import torch.distributed as dist
 
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in
-    best = math.inf
-    for _ in range(repeats):
+    n = max(nbytes // 4, 2)
+    buf = torch.ones(n, dtype=torch.float32)
+    half = n // 2
+    patterns = [
+        (lambda: buf.sum(), 4 * n),
+        (lambda: buf[half:2 * half].copy_(buf[:half]), 2 * 4 * half),
+        (lambda: buf.add_(1.0), 2 * 4 * n),
+    ]
+    best = 0.0
+    for fn, moved in patterns:
+        fn()  # fault in, warm up
         t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best / 1e9
+        fn()
+        # Trials of ~30 ms: long against a scheduler slice, so ranks that share a core
+        # share it inside the trial (a short loop would run alone and read too fast).
+        reps = torch.tensor([max(1, int(0.03 / max(time.perf_counter() - t0, 1e-7)))], dtype=torch.int64)
+        dist.all_reduce(reps, op=dist.ReduceOp.MAX, group=group)
+        reps = int(reps.item())
+        for _ in range(trials):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            best = max(best, moved * reps / float(t.item()) / 1e9)
+    return best
 
 
-def last_level_cache_bytes() -> int | None:
-    """Size of the last-level cache (sysfs), None where it cannot be read."""
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    best = None
-    try:
-        for idx in sorted(os.listdir(base)):
-            try:
-                with open(os.path.join(base, idx, "level")) as f:
-                    level = int(f.read())
-                with open(os.path.join(base, idx, "size")) as f:
-                    size = parse_bytes(f.read().strip())
-            except (OSError, ValueError):
-                continue
-            if best is None or level > best[0]:
-                best = (level, size)
-    except OSError:
-        return None
-    return best[1] if best else None
-
-
-def memory_floor_us(traffic, p: int, nbytes: int, cache_gbps: float, dram_gbps: float, cores: int,
-                    llc_bytes: int | None) -> float:
-    """Time to move each rank's memory traffic at measured memcpy speeds, with ranks
-    sharing cores: staging buffers at cache speed; the caller's tensor at DRAM speed once
-    the ranks' tensors together outgrow the last-level cache (at cache speed below)."""
-    in_cache = llc_bytes is not None and p * nbytes <= llc_bytes
-    per_rank_s = traffic.staging / (cache_gbps * 1e9) + traffic.tensor / ((cache_gbps if in_cache else dram_gbps) * 1e9)
-    return per_rank_s * max(1.0, p / max(cores, 1)) * 1e6
+def memory_floor_us(traffic, tensor_rate_gbps: float, fast_rate_gbps: float) -> float:
+    """A lower bound on one all-reduce's time from its memory traffic per rank: the
+    larger of (the caller's tensor bytes at the rate the ranks together get at the
+    tensor's working set) and (all bytes, staging included, at the rate they get in a
+    cache-sized working set). With rates from measure_group_bandwidth_gbps both terms
+    are bounds, so efficiency = floor / time cannot pass 100 %."""
+    tensor_s = traffic.tensor / (tensor_rate_gbps * 1e9)
+    all_s = (traffic.tensor + traffic.staging) / (fast_rate_gbps * 1e9)
+    return max(tensor_s, all_s) * 1e6
 
 
 def fit(points: list[tuple[str, int, float, float]], gamma_us_per_byte: float | None = None) -> dict[str, Fit]:

@@ -16,6 +16,7 @@ import queue
 import socket
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -225,27 +226,53 @@ def _digest(obj) -> str:
     return h.hexdigest()
 
 
+_last_first_batch: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # sampler -> (epoch, digest)
+
+
 def check_data(loader, epochs: int = 1, group=None) -> Check:
-    """Collective: compares each rank's first batch. Identical batches on every rank
-    mean the DistributedSampler is missing (every rank trains on the same data: the
-    seed's NaN-loss / no-speedup cause). With epochs >= 2, also compares epochs: a
-    shuffling DistributedSampler without set_epoch() repeats the same order."""
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
-    firsts = [_digest(next(iter(loader))) for _ in range(max(epochs, 1))]
-    gathered = [firsts]
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, firsts, group=group)
-    sampler = getattr(loader, "sampler", None)
+    """Collective. Compares each rank's first batch: identical batches on every rank mean
+    the DistributedSampler is missing (every rank trains on the same data: the seed's
+    NaN-loss / no-speedup cause).
+
+    Call it once per epoch, after sampler.set_epoch(epoch) where your loop has it: a
+    shuffling DistributedSampler whose first batch repeats the previous call's while its
+    epoch did not advance means set_epoch() is missing. With epochs >= 2 it also takes
+    that many passes, advancing the sampler's epoch between them as a correct loop does
+    (and restoring it), and checks that the order changes: a sampler that ignores
+    set_epoch() repeats it."""
     from torch.utils.data.distributed import DistributedSampler
 
-    if world > 1 and len({g[0] for g in gathered}) == 1:
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    sampler = getattr(loader, "sampler", None)
+    shuffling = isinstance(sampler, DistributedSampler) and sampler.shuffle
+    first = _digest(next(iter(loader)))
+    passes = [first]
+    if epochs >= 2 and shuffling:
+        start = sampler.epoch
+        try:
+            for k in range(1, epochs):
+                sampler.set_epoch(start + k)
+                passes.append(_digest(next(iter(loader))))
+        finally:
+            sampler.set_epoch(start)
+    gathered = [first]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, first, group=group)
+    if world > 1 and len(set(gathered)) == 1:
         return Check(WARN, "data", f"all {world} ranks received the same first batch",
                      "use DistributedSampler(dataset) in the DataLoader (and call sampler.set_epoch(epoch) every epoch)")
-    if epochs >= 2 and isinstance(sampler, DistributedSampler) and sampler.shuffle and firsts[0] == firsts[1]:
-        return Check(WARN, "data", f"rank {rank} saw the same first batch in consecutive epochs",
-                     "call loader.sampler.set_epoch(epoch) at the start of every epoch")
+    if len(passes) >= 2 and len(set(passes)) < len(passes):
+        return Check(WARN, "data", f"rank {rank}'s sampler repeats its order when its epoch advances",
+                     "use a sampler that reshuffles per epoch (DistributedSampler(shuffle=True) with set_epoch)")
+    if shuffling:
+        before = _last_first_batch.get(sampler)
+        _last_first_batch[sampler] = (sampler.epoch, first)
+        if before is not None and before == (sampler.epoch, first):
+            return Check(WARN, "data", f"rank {rank} saw the same first batch as at the previous check, and its "
+                         f"sampler's epoch is still {sampler.epoch}",
+                         "call loader.sampler.set_epoch(epoch) at the start of every epoch")
     return Check(PASS, "data", f"{world} rank(s) receive different batches")
 
 

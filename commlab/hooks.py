@@ -49,13 +49,25 @@ _bind_lock = threading.Lock()
 _bindings = 0  # states bound by this process so far: the handshake's key
 
 
-def _agree_on_group(ranks: list[int] | None, algorithm: str) -> list[int]:
-    """Every rank posts the ranks its next state is for (None: a non-member that does
-    not know them) under the same index; all must agree, or all raise."""
+def _new_group(ranks: list[int] | None, algorithm: str):
+    """The state's own group: agreed first (every rank posts the ranks its next state
+    is for, None for a non-member that does not know them; all must agree, or all
+    raise), then created, then every member waits until all members have it. Without
+    that last step a member could use and destroy the group while a peer is still
+    connecting to it (torch's new_group has no barrier after creation by default)."""
     global _bindings
     _bindings += 1
-    index = _bindings
     store = dist.distributed_c10d._get_default_store()
+    ranks = _agree_on_group(store, _bindings, ranks, algorithm)
+    pg = dist.new_group(ranks)
+    me = dist.get_rank()
+    if me in ranks:
+        store.set(f"commlab/commstate/{_bindings}/ready/{me}", "1")
+        store.wait([f"commlab/commstate/{_bindings}/ready/{r}" for r in ranks])
+    return ranks, pg
+
+
+def _agree_on_group(store, index: int, ranks: list[int] | None, algorithm: str) -> list[int]:
     me, world = dist.get_rank(), dist.get_world_size()
     store.set(f"commlab/commstate/{index}/{me}", json.dumps([ranks, algorithm]))
     keys = [f"commlab/commstate/{index}/{r}" for r in range(world)]
@@ -113,8 +125,7 @@ class CommState:
             if not (dist.is_available() and dist.is_initialized()):
                 raise CommlabError("commlab.hooks: a CommState binds on first use, and torch.distributed is not "
                                    "initialized yet: call dist.init_process_group first")
-            ranks = _agree_on_group(self._parent_ranks(), self.algorithm)
-            pg = dist.new_group(ranks)
+            ranks, pg = _new_group(self._parent_ranks(), self.algorithm)
             self.ranks, self.world_size = ranks, len(ranks)
             self.member = pg != dist.GroupMember.NON_GROUP_MEMBER
             self.process_group = pg if self.member else None

@@ -24,6 +24,7 @@ class Launch:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int = 1  # ranks on this host
 
 
 def _env_int(names) -> int | None:
@@ -33,14 +34,29 @@ def _env_int(names) -> int | None:
     return None
 
 
+_MPI_LOCAL_SIZE = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE")
+
+
 def detect() -> Launch:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return Launch("torchrun", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                      int(os.environ.get("LOCAL_RANK", "0")))
+        size = int(os.environ["WORLD_SIZE"])
+        return Launch("torchrun", int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")),
+                      int(os.environ.get("LOCAL_WORLD_SIZE", str(size))))
     rank, size = _env_int(_MPI_RANK), _env_int(_MPI_SIZE)
     if rank is not None and size is not None:
-        return Launch("mpi", rank, size, _env_int(_MPI_LOCAL) or 0)
-    return Launch("single", 0, 1, 0)
+        return Launch("mpi", rank, size, _env_int(_MPI_LOCAL) or 0, _env_int(_MPI_LOCAL_SIZE) or size)
+    return Launch("single", 0, 1, 0, 1)
+
+
+def check_gpus_per_rank(local_ranks: int, backend: str, gpus: int) -> str | None:
+    """Why these ranks cannot each have a GPU of their own (None when they can). NCCL
+    needs one GPU per rank: ranks sharing one fail or hang inside NCCL."""
+    if gpus == 0:
+        return "no CUDA device is visible (--device cuda)"
+    if backend == "nccl" and local_ranks > gpus:
+        return (f"{local_ranks} ranks on this host but {gpus} GPU(s): NCCL needs a GPU per rank; start at most "
+                f"{gpus} ranks (torchrun --nproc_per_node={gpus}), or use --backend gloo to share GPUs")
+    return None
 
 
 def free_port() -> int:
@@ -66,7 +82,12 @@ def init(launch: Launch, backend: str, timeout_s: float, device: str) -> None:
     _active = launch
     timeout = datetime.timedelta(seconds=timeout_s)
     if device == "cuda":
-        torch.cuda.set_device(launch.local_rank % max(torch.cuda.device_count(), 1))
+        problem = check_gpus_per_rank(launch.local_world_size, backend, torch.cuda.device_count())
+        if problem:
+            from .errors import CommlabError
+
+            raise CommlabError(f"commlab: {problem}")
+        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     if launch.kind == "mpi":
         from mpi4py import MPI  # rendezvous through MPI itself: no fixed port to collide on
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (issues #3 and #6), for a machine with one NVIDIA GPU:
+# The one prepared GPU check (issues #3, #6, #13, #19), for a machine with one NVIDIA GPU:
 #   scripts/gpu_check.sh [PART ...]      PARTs: build tests bench probe compare (default: all)
 # Results land in $OUT (the device tool's folder) or /tmp/commlab-gpu-check. All parts
 # take about 6-8 minutes on an H100/H200; the device tool allows 10 minutes a command,
 # so run `build tests bench` and then `probe compare` (the build stays on a warm machine).
 # Builds commlab._C for this GPU only, runs the GPU tests (ipc's P2P kernels in one
-# process, their deadline, the host-staged path with 2 and 4 processes on the GPU),
+# process, their deadline, 64-bit flags across 2^31 and 2^32 calls, Ctrl-C stopping the
+# kernels, the host-staged path with 2 and 4 processes on the GPU; DDP hooks on CUDA
+# streams against DDP's own allreduce),
 # times ipc next to gloo with CUDA tensors, and runs the DP/DDP comparison on one
 # GPU plus the --share-gpu functional check. Each step has its own time limit and a
 # failed step does not stop the next; everything lands in OUTDIR.
@@ -39,7 +41,8 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 want build && step build 240 python3 setup.py -q build_ext --inplace
 python3 -c "import commlab._C as C; assert C.has_cuda(), 'built without CUDA kernels'" || { echo "no CUDA build"; exit 1; }
 
-want tests && step tests 180 python3 -m pytest -q -x -p no:cacheprovider tests/test_ipc.py tests/test_reduce_kernels.py
+want tests && step tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_ipc.py tests/test_reduce_kernels.py \
+  tests/test_hooks_cuda.py
 
 want bench && for p in 2 4; do
   step "bench_$p" 100 python3 -m commlab.allreduce_bench --device cuda --backend gloo --world-size "$p" \

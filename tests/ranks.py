@@ -24,6 +24,11 @@ class RankFailure(AssertionError):
 def _rank_main(rank, world_size, store, inq, outq, pg_timeout_s, env):
     os.environ.update(env)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import faulthandler
+    import signal
+
+    # A rank that never answers is asked for its stacks (SIGUSR1) before it is killed.
+    faulthandler.register(signal.SIGUSR1, file=open(_stacks_path(store, rank), "w"), all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -56,6 +61,10 @@ def _rank_main(rank, world_size, store, inq, outq, pg_timeout_s, env):
         launch.leave(together=False)  # peers may be gone already: no barrier
     except Exception:
         pass
+
+
+def _stacks_path(store: str, rank: int) -> str:
+    return f"{store}.stacks{rank}"
 
 
 class RankPool:
@@ -129,16 +138,37 @@ class RankPool:
         if errors or len(results) < self.world_size:
             missing = [r for r in range(self.world_size) if r not in results and r not in errors]
             alive = {r: self._procs[r].is_alive() for r in missing}
+            stacks = self._stacks(r for r in missing if alive[r])
             self.close()
             lines = [f"{what} on {self.world_size} ranks failed"]
             if missing:
                 lines.append(
                     "no answer within %.0fs from rank(s) %s (alive: %s)" % (timeout, missing, alive)
                 )
+            for r, text in stacks.items():
+                lines.append(f"--- rank {r} (no answer): where it is ---\n{text}")
             for r in sorted(errors):
                 lines.append(f"--- rank {r} ---\n{errors[r]}")
             raise RankFailure("\n".join(lines))
         return [results[r] for r in range(self.world_size)]
+
+    def _stacks(self, ranks) -> dict:
+        """Every thread's stack of each given (live) rank, through faulthandler."""
+        import signal
+
+        out = {}
+        for r in ranks:
+            try:
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                continue
+            time.sleep(0.5)
+            try:
+                with open(_stacks_path(os.path.join(self._dir, "store"), r)) as f:
+                    out[r] = f.read()[-6000:]
+            except OSError:
+                pass
+        return out
 
     def close(self) -> None:
         if self.broken:

@@ -88,16 +88,33 @@ def test_rendezvous_checks(monkeypatch):
 def data_checks(rank, p):
     ds = TensorDataset(torch.arange(64, dtype=torch.float32).reshape(32, 2))
     plain = doctor.check_data(DataLoader(ds, batch_size=4))
+    out = {"plain": (plain.status, plain.detail)}
+    # A training loop that forgets set_epoch(): the check runs once per epoch.
     sampler = DistributedSampler(ds, shuffle=True, seed=0)
-    sharded = doctor.check_data(DataLoader(ds, batch_size=4, sampler=sampler), epochs=2)
-    return plain.status, plain.detail, sharded.status, sharded.fix
+    loader = DataLoader(ds, batch_size=4, sampler=sampler)
+    out["forgot"] = [(c.status, c.fix) for c in (doctor.check_data(loader) for _ in range(2))]
+    # The correct loop: set_epoch(epoch) first, then the check.
+    sampler = DistributedSampler(ds, shuffle=True, seed=0)
+    loader = DataLoader(ds, batch_size=4, sampler=sampler)
+    correct = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        correct.append(doctor.check_data(loader).status)
+    out["correct"] = correct
+    # epochs=2 on a correct shuffling sampler: the check advances the epoch itself.
+    fresh = DistributedSampler(ds, shuffle=True, seed=0)
+    out["two_epochs"] = doctor.check_data(DataLoader(ds, batch_size=4, sampler=fresh), epochs=2).status
+    out["epoch_restored"] = fresh.epoch
+    return out
 
 
 def test_check_data_flags_identical_batches_and_missing_set_epoch(ranks):
-    for plain_status, plain_detail, sharded_status, sharded_fix in ranks.run(2, data_checks):
-        assert plain_status == doctor.WARN and "same first batch" in plain_detail
-        # Sharded but set_epoch() never called: epoch 2 repeats epoch 1's order.
-        assert sharded_status == doctor.WARN and "set_epoch" in sharded_fix
+    for out in ranks.run(2, data_checks):
+        assert out["plain"][0] == doctor.WARN and "same first batch" in out["plain"][1]
+        (s1, _), (s2, fix2) = out["forgot"]
+        assert s1 == doctor.PASS and s2 == doctor.WARN and "set_epoch" in fix2, out
+        assert out["correct"] == [doctor.PASS] * 3, out
+        assert out["two_epochs"] == doctor.PASS and out["epoch_restored"] == 0, out
 
 
 def grad_checks(rank, p):

@@ -324,3 +324,12 @@ def test_work_wait_honours_its_timeout(ranks):
     assert r0["timeout"] and "within 0.3 s" in r0["timeout"], r0
     assert r0["timeout_s"] < 1.0, r0
     assert r0["x"] == r1["x"] == [3.0]
+
+
+def test_readme_shows_the_registry_as_it_is():
+    import ast
+    import pathlib
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("commlab.algorithm_names()"))
+    assert ast.literal_eval(line.split("#", 1)[1].strip()) == commlab.algorithm_names(), line

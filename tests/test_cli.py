@@ -129,3 +129,90 @@ def test_bench_time_is_the_loop_time_of_the_slowest_rank(ranks):
         assert iters == 8
         assert median_us == pytest.approx(2000.0)
         assert mean_us == pytest.approx(1000.0)
+
+
+@pytest.mark.parametrize("module", ["allreduce_bench", "compare", "advise", "doctor", "costmodel"])
+def test_entry_points_run_without_docstrings(module):
+    """python -OO strips docstrings; no entry point may depend on one."""
+    proc = subprocess.run([sys.executable, "-OO", "-m", f"commlab.{module}", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage:" in proc.stdout
+
+
+def test_one_gpu_per_nccl_rank_or_a_clear_error():
+    from commlab.launch import check_gpus_per_rank
+
+    assert check_gpus_per_rank(4, "nccl", 4) is None
+    assert check_gpus_per_rank(4, "gloo", 1) is None  # processes may share a GPU over gloo
+    msg = check_gpus_per_rank(4, "nccl", 1)
+    assert "4 ranks on this host but 1 GPU(s)" in msg and "--nproc_per_node=1" in msg
+    assert "no CUDA device" in check_gpus_per_rank(1, "nccl", 0)
+
+
+def test_launch_reads_the_local_world_size(monkeypatch):
+    from commlab import launch
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert launch.detect() == launch.Launch("torchrun", 5, 8, 1, 4)
+
+
+def test_the_mpi_anchor_stages_cuda_tensors_through_the_host(monkeypatch):
+    import types
+
+    import torch
+
+    from commlab import allreduce_bench, launch
+    from commlab.reduction import Op
+
+    seen = []
+
+    class Comm:
+        def Get_size(self):
+            return 2
+
+        def Allreduce(self, inplace, buf, op):
+            seen.append(type(buf).__name__)
+            buf *= 2  # what a 2-rank SUM of equal inputs gives
+
+    fake = types.SimpleNamespace(COMM_WORLD=Comm(), IN_PLACE=None, SUM="sum", PROD="prod", MIN="min", MAX="max")
+    monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(MPI=fake))
+    monkeypatch.setattr(launch, "active", lambda: launch.Launch("mpi", 0, 2, 0, 2))
+    monkeypatch.setattr(allreduce_bench.dist, "get_world_size", lambda: 2)
+    row = allreduce_bench.mpi_row(torch.float32, "cuda")
+    assert row.name == "mpi:host-staged"
+    t = torch.ones(4)
+    row.call(t, Op.SUM)
+    assert seen == ["ndarray"] and t.tolist() == [2.0] * 4
+    assert allreduce_bench.mpi_row(torch.float32, "cpu").name == "mpi"
+
+
+def test_memory_floor_is_a_lower_bound(tmp_path):
+    """An efficiency above 100 % would be a bug in the floor: it is measured with every
+    rank streaming at once (4 ranks share the 2 cores here), at the working-set size."""
+    out = tmp_path / "r.json"
+    proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "4", "-b", "1M", "-e", "4M", "-f", "4",
+                 "--algorithms", "shm,shm_ps", "--budget", "0.1", "--rounds", "1", "--json", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    effs = [float(line.rsplit("efficiency", 1)[1].strip(" %")) for line in proc.stdout.splitlines()
+            if "-> efficiency" in line]
+    assert len(effs) == 4, proc.stdout
+    assert all(0 < e <= 100 for e in effs), effs
+    env = json.loads(out.read_text())["env"]
+    assert set(env["group_bandwidth_gbps"]) == {str(1 << 20), str(4 << 20)}
+    assert "all ranks streaming" in proc.stdout
+
+
+def test_memory_floor_takes_the_larger_bound():
+    from commlab.algorithms import Traffic
+
+    t = Traffic(tensor=2e6, staging=3e6)
+    # tensor at 1 GB/s: 2000 us; all 5e6 B at 10 GB/s: 500 us -> 2000
+    assert costmodel.memory_floor_us(t, 1.0, 10.0) == pytest.approx(2000.0)
+    # tensor at 10 GB/s: 200 us; all at 2 GB/s: 2500 us -> 2500
+    assert costmodel.memory_floor_us(t, 10.0, 2.0) == pytest.approx(2500.0)

@@ -78,3 +78,23 @@ def test_emulated_memory_limit_on_cpu(tmp_path):
         ("ddp:shm", 1.0, "ddp:shm @1MB")]
     for m in doc["modes"]:
         assert m["status"] == "oom" and "emulated" in m["reason"] and "--mem-limit-mb" in m["reason"], m
+
+
+def test_utilization_is_one_named_metric_per_device_type():
+    from commlab import compare
+
+    ok = {"status": "ok", "iter_ms": {"median": 10.0, "p90": 11.0}, "samples_per_s": 1.0, "peak_memory_mb": [1.0],
+          "grad_sync_ms": {"total": 1.0, "exposed": 1.0}, "final_loss": 0.5}
+    gpu = compare.table({"env": {"device": "cuda"}, "modes": [
+        dict(ok, mode="dp", util_percent=[63.0, 40.0]), dict(ok, mode="ddp", util_percent=[92.0]),
+        dict(ok, mode="ddp:ring", util_percent=[None])]})
+    assert "| utilization (%): NVML GPU busy, per device | 63/40 | 92 (x1) | - |" in gpu, gpu
+    cpu = compare.table({"env": {"device": "cpu"}, "modes": [dict(ok, mode="ddp", util_percent=[50.0, 52.0])]})
+    assert "| utilization (%): CPU time / wall, per rank | 50/52 |" in cpu, cpu
+
+
+def test_more_ranks_than_gpus_is_a_clear_error_before_anything_starts():
+    proc = subprocess.run([sys.executable, "-m", "commlab.compare", "--device", "cuda", "--world-size", "4"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no CUDA device is visible" in proc.stderr or "NCCL needs a GPU per rank" in proc.stderr, proc.stderr

@@ -313,7 +313,7 @@ def test_errors_inside_ddp_reach_the_user_readably(ranks):
 
 
 LIGHTNING_SCRIPT = '''
-import json, os, sys
+import datetime, json, os, sys
 import torch
 import pytorch_lightning as pl
 from pytorch_lightning.strategies import DDPStrategy
@@ -342,7 +342,7 @@ class M(pl.LightningModule):
 torch.manual_seed(0)
 data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
 trainer = pl.Trainer(strategy=DDPStrategy(process_group_backend="gloo", ddp_comm_state=state,
-                                          ddp_comm_hook=hooks.allreduce_hook),
+                                          ddp_comm_hook=hooks.allreduce_hook, timeout=datetime.timedelta(seconds=90)),
                      accelerator="cpu", devices=2, max_steps=4, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False)
 trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=8))
@@ -363,9 +363,13 @@ def test_lightning_ddp_strategy_with_a_state_built_first(tmp_path):
 
     script = tmp_path / "train.py"
     script.write_text(LIGHTNING_SCRIPT)
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PL_DISABLE_FORK="1", OMP_NUM_THREADS="1")
-    env.pop("MASTER_ADDR", None)
-    env.pop("MASTER_PORT", None)
+    # A clean launch: any rank/rendezvous variable left in this process's environment
+    # would make Lightning believe it was already launched and wait for peers.
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+                     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    env = {k: v for k, v in os.environ.items()
+           if k not in launcher_vars and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_"))}
+    env.update(GLOO_SOCKET_IFNAME="lo", PL_DISABLE_FORK="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -157,17 +157,15 @@ def test_dead_peer_is_named_not_waited_for(ranks, algorithm, victim):
     for r in survivors:
         status, payload = res[r]
         assert status == "ok", payload
-        # shm_ps workers only wait for rank 0, so a dead worker may go unnoticed by
-        # other workers; whoever waits for the victim must name it.
-        if payload["error"] is None:
-            assert algorithm == "shm_ps" and r != 0
-            continue
-        named += 1
+        # Every survivor fails, none returns: a shm_ps worker that only waits for rank 0
+        # learns of a dead worker through rank 0's abort mark.
+        assert payload["error"] is not None, (r, payload)
         assert payload["type"] == "PeerError"
         assert f"rank {victim}" in payload["error"] and "dead" in payload["error"], payload
+        named += 1
         assert payload["seconds"] < 10, payload  # noticed by liveness checks, not the 30 s timeout
         assert payload["leftovers"] == []
-    assert named >= 1
+    assert named == len(survivors)
     assert _leftovers() == []
 
 
