@@ -1,5 +1,4 @@
 import pytest
-
 from group import BenchGroup
 
 WORLD_SIZE = 4

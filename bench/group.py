@@ -7,15 +7,10 @@ the number pytest-benchmark's pedantic mode will make on rank 0.
 """
 from __future__ import annotations
 
-import datetime
-import multiprocessing as mp
-import os
-import socket
-
 import torch
 import torch.distributed as dist
 
-from commlab import launch
+from commlab.measure import launch
 
 STOP = -1
 ALLREDUCE, DDP_STEP = 0, 1
@@ -26,29 +21,16 @@ MODEL = {"width": 1024, "depth": 3, "in_features": 256}
 BATCH = 32
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank: int, world_size: int, port: int) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
-
-
 def _plan(values=None) -> list[int]:
     t = torch.tensor(values if values is not None else [0, 0, 0, 0], dtype=torch.int64)
     dist.broadcast(t, src=0)
     return t.tolist()
 
 
-def _helper(rank: int, world_size: int, port: int) -> None:
+def _helper(rank: int, world_size: int) -> None:
+    """Ranks 1..N-1: follow rank 0's plans until it says stop."""
     import commlab
 
-    _init(rank, world_size, port)
     names = commlab.algorithms.for_device("cpu")
     while True:
         kind, a, b, calls = _plan()
@@ -61,7 +43,6 @@ def _helper(rank: int, world_size: int, port: int) -> None:
             commlab.all_reduce(checked_input(rank, b), algorithm=names[a])  # BenchGroup.check's call
         else:
             _ddp_steps(rank, HOOKS[a], names[b], calls)
-    launch.leave()
 
 
 def _ddp_steps(rank: int, hook: str, algorithm: str, calls: int) -> None:
@@ -74,9 +55,10 @@ def _ddp_steps(rank: int, hook: str, algorithm: str, calls: int) -> None:
 
 def ddp_step(rank: int, hook: str, algorithm: str):
     """A DDP training step on the synthetic MLP; collective to build (same on all ranks)."""
-    import commlab.hooks as hooks
-    from commlab import workloads
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import commlab.hooks as hooks
+    from commlab.training import workloads
 
     torch.manual_seed(0)
     model = DDP(workloads.mlp(**MODEL), bucket_cap_mb=4)
@@ -110,13 +92,11 @@ class BenchGroup:
 
         self.world_size = world_size
         self.names = commlab.algorithms.for_device("cpu")
-        port = _port()
-        ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_helper, args=(r, world_size, port), daemon=True)
-                      for r in range(1, world_size)]
-        for p in self.procs:
-            p.start()
-        _init(0, world_size, port)
+        # commlab's one local launcher: helpers are ranks 1..N-1, this process is rank 0.
+        self.pool = launch.RankPool(world_size, spawn=range(1, world_size), pg_timeout_s=120.0)
+        self.pool.local_init(0)
+        torch.set_num_threads(1)
+        self.pool.submit(_helper)
 
     def prepare(self, algorithm: str, nbytes: int, calls: int) -> torch.Tensor:
         """Tell the helpers what comes next; returns rank 0's buffer."""
@@ -142,8 +122,6 @@ class BenchGroup:
 
     def close(self) -> None:
         _plan([STOP, 0, 0, 0])
-        launch.leave()
-        for p in self.procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+        self.pool.collect("bench helpers", timeout=60)  # every rank is idle from here
+        self.pool.close()
+        launch.leave(together=False)

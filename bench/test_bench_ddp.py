@@ -5,9 +5,9 @@ reduction blocking inside the hook, and no communication (the compute floor). Th
 async/blocking ratio is what overlapping communication with backward buys.
 """
 import pytest
-
-from commlab import workloads
 from group import BATCH, MODEL
+
+from commlab.training import workloads
 
 ROUNDS, WARMUP = 5, 2
 CASES = [("ddp", "builtin"), ("noop", "builtin")] + [

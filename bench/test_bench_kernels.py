@@ -3,8 +3,8 @@ against a chain of torch element-wise ops, as an N-way reduction on the root wou
 import pytest
 import torch
 
-from commlab import _ext
-from commlab.reduction import Op, combine_
+from commlab.core import ext as _ext
+from commlab.core.reduction import Op, combine_
 
 N_INPUTS = 4
 NUMEL = 4 << 20  # 16 MiB of float32 per input

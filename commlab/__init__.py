@@ -6,8 +6,8 @@
 """
 import torch  # noqa: F401  (loads libtorch before commlab._C)
 
-from .api import algorithm_names, all_reduce, get_algorithm
-from .errors import CollectiveMismatchError, CommlabError, PeerError, UnsupportedError
+from commlab.core.api import algorithm_names, all_reduce, get_algorithm
+from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError, UnsupportedError
 
 __version__ = "0.1.0"
 

@@ -3,10 +3,11 @@
 #include <torch/extension.h>
 
 #include "common/errors.h"
-#include "cpu/reduce_n.h"
-#include "cpu/shm_comm.h"
+#include "common/codes.h"
+#include "cpu/reduce/reduce_n.h"
+#include "cpu/shm/shm_comm.h"
 #ifdef COMMLAB_WITH_CUDA
-#include "cuda/ipc_comm.h"
+#include "cuda/ipc/ipc_comm.h"
 #endif
 
 namespace commlab {
@@ -30,6 +31,22 @@ void reduce_n(const torch::Tensor& out, const std::vector<torch::Tensor>& inputs
   reduce_n_cpu(out, inputs, rop);
 }
 
+pybind11::dict codes() {
+  using namespace pybind11::literals;
+  auto i = [](auto v) { return static_cast<int>(v); };
+  pybind11::dict out;
+  out["dtype"] = pybind11::dict("float32"_a = i(DType::kF32), "float64"_a = i(DType::kF64), "float16"_a = i(DType::kF16),
+                                "bfloat16"_a = i(DType::kBF16), "int32"_a = i(DType::kI32), "int64"_a = i(DType::kI64),
+                                "uint8"_a = i(DType::kU8));
+  out["op"] = pybind11::dict("SUM"_a = i(RedOp::kSum), "PRODUCT"_a = i(RedOp::kProduct), "MIN"_a = i(RedOp::kMin),
+                             "MAX"_a = i(RedOp::kMax));
+  out["shm_mode"] = pybind11::dict("AUTO"_a = i(ShmMode::kAuto), "ONESHOT"_a = i(ShmMode::kOneShot),
+                                   "TWOSHOT"_a = i(ShmMode::kTwoShot), "ROOT"_a = i(ShmMode::kRoot));
+  out["ipc_mode"] = pybind11::dict("AUTO"_a = i(IpcMode::kAuto), "ONESHOT"_a = i(IpcMode::kOneShot),
+                                   "TWOSHOT"_a = i(IpcMode::kTwoShot));
+  return out;
+}
+
 bool has_cuda() {
 #ifdef COMMLAB_WITH_CUDA
   return true;
@@ -45,6 +62,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "commlab native kernels and transports";
   m.def("version", [] { return std::string(COMMLAB_VERSION); }, "commlab._C build version");
   m.def("has_cuda", &commlab::has_cuda, "whether CUDA sources were compiled in");
+  m.def("codes", &commlab::codes, "common/codes.h as a dict, for the Python mirrors' consistency test");
   m.def("simd_level", &commlab::simd_level, "instruction set the CPU reduction loop uses");
   m.def("simd_levels", &commlab::simd_levels, "instruction sets this CPU supports");
   m.def("set_simd_level", &commlab::set_simd_level, "choose scalar, avx2 or avx512 (benchmarks)");

@@ -53,7 +53,7 @@ done
 # share this GPU. Either time-slicing lets the barriers complete, or the kernels'
 # 20 s deadline must fire and name the rank; a hang past the step's limit is a bug.
 before=$status
-want probe && step p2p_shared_gpu_probe 60 env COMMLAB_IPC_PATH=p2p python3 -m commlab.allreduce_bench --device cuda --backend gloo \
+want probe && step p2p_shared_gpu_probe 60 env COMMLAB_IPC_PATH=peer python3 -m commlab.allreduce_bench --device cuda --backend gloo \
   --world-size 2 --algorithms ipc -b 4K -e 1M -f 16 --timeout 20 --budget 0.1 --rounds 1 --quiet
 status=$before  # the probe's outcome is reported, not judged
 

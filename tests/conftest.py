@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from ranks import RankPool
 
 # Small segments and buffers so moderate test sizes exercise the ring's pipelining,

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from commlab import advise, doctor
+from commlab.diagnostics import advise, doctor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,7 +74,7 @@ def test_rendezvous_checks(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert doctor.check_rendezvous()[0].status == doctor.FAIL
-    from commlab.launch import free_port
+    from commlab.measure.launch import free_port
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))

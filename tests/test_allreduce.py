@@ -4,9 +4,9 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
+from cases import DTYPES, OPS, check, digest, make_input, reference
 
 import commlab
-from cases import DTYPES, OPS, check, digest, make_input, reference
 
 ALGORITHMS = [a for a in commlab.algorithm_names() if "cpu" in commlab.get_algorithm(a).devices]
 
@@ -178,7 +178,7 @@ def test_refusals_identical_on_every_rank(ranks):
 def fresh_ops(rank, p):
     """Plans are cached by the op's identity: ops built afresh for every call must
     neither grow the cache without bound nor get a wrong plan."""
-    from commlab import api
+    from commlab.core import api
     x = torch.ones(6)
     for i in range(400):
         op = dist.ReduceOp(dist.ReduceOp.MAX if i % 2 else dist.ReduceOp.SUM)
@@ -237,7 +237,7 @@ def inline_call_admitted_before_an_async_one(rank, p):
     import threading
     import time
 
-    from commlab import lanes
+    from commlab.core import lanes
 
     g = dist.new_group(list(range(p)))
     alg = commlab.get_algorithm("ring")
@@ -333,3 +333,18 @@ def test_readme_shows_the_registry_as_it_is():
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     line = next(x for x in readme.splitlines() if x.startswith("commlab.algorithm_names()"))
     assert ast.literal_eval(line.split("#", 1)[1].strip()) == commlab.algorithm_names(), line
+
+
+def test_readme_example_algorithm_is_the_registered_file():
+    """The README's "Add an algorithm" example is commlab/algorithms/direct.py itself, so
+    the sweeps above run it like every other registered algorithm."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    section = readme.split("## Add an algorithm", 1)[1]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    source = (root / "commlab" / "algorithms" / "direct.py").read_text()
+    assert block == source
+    assert len(source.splitlines()) <= 40
+    assert "direct" in commlab.algorithm_names()

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import commlab
-from commlab import costmodel
-from commlab.units import format_bytes, parse_bytes
+from commlab.measure import costmodel
+from commlab.measure.units import format_bytes, parse_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_KEYS = {"algorithm", "bytes", "count", "dtype", "op", "time_us", "algbw_gbps", "busbw_gbps", "wrong",
@@ -112,7 +112,7 @@ class _Clock:
 
 
 def _bench_timing(rank, p):
-    from commlab.timing import Interleaved
+    from commlab.measure.timing import Interleaved
     clock = Interleaved(device=torch.device("cpu"), iters=8, warmup=1, blocking=False, budget_s=1, max_iters=8,
                         rounds=2)
     clock.clock = _Clock(rank)
@@ -141,7 +141,7 @@ def test_entry_points_run_without_docstrings(module):
 
 
 def test_one_gpu_per_nccl_rank_or_a_clear_error():
-    from commlab.launch import check_gpus_per_rank
+    from commlab.measure.launch import check_gpus_per_rank
 
     assert check_gpus_per_rank(4, "nccl", 4) is None
     assert check_gpus_per_rank(4, "gloo", 1) is None  # processes may share a GPU over gloo
@@ -151,7 +151,7 @@ def test_one_gpu_per_nccl_rank_or_a_clear_error():
 
 
 def test_launch_reads_the_local_world_size(monkeypatch):
-    from commlab import launch
+    from commlab.measure import launch
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
@@ -167,8 +167,9 @@ def test_the_mpi_anchor_stages_cuda_tensors_through_the_host(monkeypatch):
 
     import torch
 
-    from commlab import allreduce_bench, launch
-    from commlab.reduction import Op
+    from commlab.core.reduction import Op
+    from commlab.measure import bench as allreduce_bench
+    from commlab.measure import launch
 
     seen = []
 

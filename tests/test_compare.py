@@ -39,10 +39,10 @@ def test_compare_cpu_modes(tmp_path, extra):
 
 
 @pytest.mark.parametrize("limit,start", [(4608, 512), (100, 512), (5000, 8), (1 << 20, 64)])
-def test_find_max_batch_search(monkeypatch, limit, start):
+def test_find_max_batch_search(limit, start):
     """The search against a fake run that runs out of memory above `limit` (fast and
     exact; the real runs are covered below)."""
-    from commlab import compare
+    from commlab.training.compare import search
 
     seen = []
 
@@ -51,9 +51,8 @@ def test_find_max_batch_search(monkeypatch, limit, start):
         assert args["batch_size"] % 2 == 0  # a multiple of the world size
         return {"mode": mode, "status": "ok" if args["batch_size"] <= limit else "oom"}
 
-    monkeypatch.setattr(compare, "run_mode", fake)
     args = {"batch_size": start, "gpus": None, "max_batch_limit": 1 << 16, "warmup": 3, "iters": 10}
-    best, probes = compare.find_max_batch("ddp", 2, args)
+    best, probes = search.find_max_batch("ddp", 2, args, fake)
     assert [b for b, _ in probes] == seen
     assert all((s == "ok") == (b <= limit) for b, s in probes)
     if limit >= args["max_batch_limit"]:
@@ -81,15 +80,15 @@ def test_emulated_memory_limit_on_cpu(tmp_path):
 
 
 def test_utilization_is_one_named_metric_per_device_type():
-    from commlab import compare
+    from commlab.training.compare import report
 
     ok = {"status": "ok", "iter_ms": {"median": 10.0, "p90": 11.0}, "samples_per_s": 1.0, "peak_memory_mb": [1.0],
           "grad_sync_ms": {"total": 1.0, "exposed": 1.0}, "final_loss": 0.5}
-    gpu = compare.table({"env": {"device": "cuda"}, "modes": [
+    gpu = report.table({"env": {"device": "cuda"}, "modes": [
         dict(ok, mode="dp", util_percent=[63.0, 40.0]), dict(ok, mode="ddp", util_percent=[92.0]),
         dict(ok, mode="ddp:ring", util_percent=[None])]})
     assert "| utilization (%): NVML GPU busy, per device | 63/40 | 92 (x1) | - |" in gpu, gpu
-    cpu = compare.table({"env": {"device": "cpu"}, "modes": [dict(ok, mode="ddp", util_percent=[50.0, 52.0])]})
+    cpu = report.table({"env": {"device": "cpu"}, "modes": [dict(ok, mode="ddp", util_percent=[50.0, 52.0])]})
     assert "| utilization (%): CPU time / wall, per rank | 50/52 |" in cpu, cpu
 
 

@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import RankPool, status_payload
 
 import commlab
-from commlab import _ext
-from ranks import RankPool
+from commlab.core import ext as _ext
 
 PURE = [a for a in commlab.algorithms.for_device("cpu") if not a.startswith("shm")]
 
@@ -99,10 +99,10 @@ def peer_dies(rank, p, algorithm, victim):
 @pytest.mark.parametrize("algorithm", PURE)
 def test_dead_peer_gives_errors_not_hangs(algorithm):
     pool = RankPool(3, pg_timeout_s=10)
-    res = pool.run_faulty(peer_dies, algorithm, 1, timeout=60)
-    assert res[1][0] == "missing"
+    res = pool.outcomes(peer_dies, algorithm, 1, timeout=60)
+    assert res[1].status == "missing"
     for r in (0, 2):
-        status, payload = res[r]
+        status, payload = status_payload(res[r])
         assert status == "ok", payload
         # No survivor may return: without rank 1's input no result is right (ps's rank
         # 2 only talks to rank 0, which never sends it one).
@@ -250,10 +250,10 @@ def test_rank_killed_inside_a_collective(algorithm):
     # different phases of a call.
     delay = 0.2 + 0.37 * (commlab.algorithms.for_device("cpu").index(algorithm) % 5)
     pool = RankPool(3, pg_timeout_s=10)
-    res = pool.run_faulty(killed_mid_collective, algorithm, 1, delay, timeout=90)
-    assert res[1][0] == "missing", res[1]
+    res = pool.outcomes(killed_mid_collective, algorithm, 1, delay, timeout=90)
+    assert res[1].status == "missing", res[1]
     for r in (0, 2):
-        status, payload = res[r]
+        status, payload = status_payload(res[r])
         assert status == "ok", payload
         assert payload["type"] is not None, f"rank {r} never noticed the dead peer: {payload}"
         assert payload["commlab"] and f"[{algorithm}]" in payload["msg"], payload
@@ -286,8 +286,8 @@ def retry_after_timeout(rank, p):
 
 def test_a_group_whose_transfer_failed_refuses_reuse():
     pool = RankPool(2, pg_timeout_s=10)
-    res = pool.run_faulty(retry_after_timeout, timeout=60)
-    (s0, r0), (s1, r1) = res[0], res[1]
+    res = pool.outcomes(retry_after_timeout, timeout=60)
+    (s0, r0), (s1, r1) = status_payload(res[0]), status_payload(res[1])
     assert s0 == "ok" and s1 == "ok", res
     assert r0["first"][0] == "PeerError", r0
     assert r0["retry"][0] == "CommlabError" and "unusable after a failed transfer" in r0["retry"][1], r0

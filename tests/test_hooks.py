@@ -5,11 +5,11 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from cases import digest
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlab
 import commlab.hooks as hooks
-from cases import digest
 
 CPU_ALGORITHMS = commlab.algorithms.for_device("cpu")
 STEPS = 3

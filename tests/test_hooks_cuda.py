@@ -6,10 +6,10 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from cases import digest
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlab.hooks as hooks
-from cases import digest
 
 pytestmark = pytest.mark.gpu
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import commlab
-from commlab import _ext, ipc
-from commlab.errors import UnsupportedError
+from commlab.core import ext as _ext
+from commlab.core.errors import UnsupportedError
+from commlab.transports import ipc
 
 
 def facts(uuids, reach=None, hosts=None):
@@ -23,7 +24,7 @@ def facts(uuids, reach=None, hosts=None):
 
 def test_distinct_peer_gpus_take_p2p():
     path, why = ipc.choose_path(facts(["a", "b", "c", "d"]))
-    assert path == ipc.PATH_P2P, why
+    assert path == ipc.PATH_PEER, why
 
 
 def test_shared_gpu_is_staged_and_names_the_ranks():
@@ -58,7 +59,7 @@ def test_two_hosts_are_refused():
 
 
 def test_forced_path_and_bad_override():
-    assert ipc.choose_path(facts(["a", "a"]), "p2p")[0] == ipc.PATH_P2P
+    assert ipc.choose_path(facts(["a", "a"]), "peer")[0] == ipc.PATH_PEER
     path, why = ipc.choose_path(facts(["a", "b"]), "nvlink")
     assert path is None and "COMMLAB_IPC_PATH" in why
 
@@ -245,7 +246,7 @@ def _fake_ipc(monkeypatch, rank, fail_on=-1):
     monkeypatch.setattr(ipc, "device_facts", lambda device: {
         "host": "h", "uuid": f"gpu{rank}", "index": 0, "pid": 100 + rank,
         "reach": {f"gpu{q}": True for q in range(8) if q != rank}})
-    monkeypatch.setattr(ipc._ext, "require", lambda: Ext)
+    monkeypatch.setattr(ipc.ext, "require", lambda: Ext)
 
 
 def failed_setup_raises_again(rank, p):
@@ -255,7 +256,7 @@ def failed_setup_raises_again(rank, p):
     try:
         _fake_ipc(mp, rank, fail_on=1)
         g = dist.new_group(list(range(p)))
-        info = commlab.groups.resolve(g)
+        info = commlab.core.groups.resolve(g)
         seen = []
         for _ in range(2):  # the second call must meet the same error, not a half-made entry
             try:
@@ -290,7 +291,7 @@ def different_settings(rank, p, knob, value):
             else:
                 mp.setattr(ipc, ipc.KNOBS[knob].upper(), value)
         g = dist.new_group(list(range(p)))
-        info = commlab.groups.resolve(g)
+        info = commlab.core.groups.resolve(g)
         try:
             ipc.all_reduce(torch.ones(4), 0, 0, info, "ipc")
             out = ("NOT RAISED", "")

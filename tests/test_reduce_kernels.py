@@ -1,10 +1,10 @@
 """commlab._C.reduce_n (the fused N-way reduction) against torch, single process."""
 import pytest
 import torch
-
-from commlab import _ext
-from commlab.reduction import Op, reduce_into
 from cases import DTYPES, make_input
+
+from commlab.core import ext as _ext
+from commlab.core.reduction import Op, reduce_into
 
 C = _ext.require()
 
@@ -91,3 +91,16 @@ def test_reduce_n_cuda_matches_cpu(dtype):
     out = torch.empty_like(dev[0])
     C.reduce_n(out, dev, int(Op.SUM))
     assert torch.equal(out.cpu(), cpu)
+
+
+def test_python_mirrors_the_extension_codes():
+    """csrc/common/codes.h is the one source of dtype, op and mode codes; the Python
+    enums that mirror it must agree with what the extension was built with."""
+    from commlab.core.reduction import SUPPORTED_DTYPES
+    from commlab.transports import ipc, shm
+
+    codes = _ext.require().codes()
+    assert {o.name: int(o) for o in Op if o is not Op.AVG} == codes["op"]
+    assert {m.name: int(m) for m in shm.Mode} == codes["shm_mode"]
+    assert {m.name: int(m) for m in ipc.Mode} == codes["ipc_mode"]
+    assert sorted(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES) == sorted(codes["dtype"])

@@ -7,9 +7,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import status_payload
 
 import commlab
-import commlab.shm
+from commlab.transports import shm
 
 SHM_ALGORITHMS = ["shm", "shm_ps"]
 
@@ -59,7 +60,7 @@ def two_groups(rank, p):
             out.append(f"tensor {k} wrong: {x[0]} vs {want}")
     for g in (other, pair):
         if g != dist.GroupMember.NON_GROUP_MEMBER:
-            commlab.shm.release(g)
+            shm.release(g)
             dist.destroy_process_group(g)
     return out
 
@@ -94,8 +95,8 @@ def test_called_from_another_thread(ranks, algorithm):
 
 def split_hosts(rank, p):
     # Pretend ranks 0,1 and 2,3 live on two hosts: setup must refuse on every rank.
-    real = commlab.shm.host_id
-    commlab.shm.host_id = lambda: f"node{rank // 2}/boot/mnt:1/net:{rank // 2}"
+    real = shm.host_id
+    shm.host_id = lambda: f"node{rank // 2}/boot/mnt:1/net:{rank // 2}"
     g = dist.new_group(list(range(p)))
     try:
         commlab.all_reduce(torch.ones(10), group=g, algorithm="shm")
@@ -104,7 +105,7 @@ def split_hosts(rank, p):
     else:
         msg = "NOT RAISED"
     finally:
-        commlab.shm.host_id = real  # the rank pool lives on into other tests
+        shm.host_id = real  # the rank pool lives on into other tests
     x = torch.ones(10)
     commlab.all_reduce(x, group=g, algorithm="ring")  # the group itself is fine
     dist.destroy_process_group(g)
@@ -150,12 +151,12 @@ def dies_mid_run(rank, p, algorithm, victim):
 @pytest.mark.parametrize("victim", [0, 2])
 def test_dead_peer_is_named_not_waited_for(ranks, algorithm, victim):
     pool = ranks.get(3)
-    res = pool.run_faulty(dies_mid_run, algorithm, victim, timeout=60)
-    assert res[victim][0] == "missing"
+    res = pool.outcomes(dies_mid_run, algorithm, victim, timeout=60)
+    assert res[victim].status == "missing"
     survivors = [r for r in range(3) if r != victim]
     named = 0
     for r in survivors:
-        status, payload = res[r]
+        status, payload = status_payload(res[r])
         assert status == "ok", payload
         # Every survivor fails, none returns: a shm_ps worker that only waits for rank 0
         # learns of a dead worker through rank 0's abort mark.
@@ -172,7 +173,7 @@ def test_dead_peer_is_named_not_waited_for(ranks, algorithm, victim):
 def spin_choice(rank, p):
     g = dist.new_group(list(range(p)))
     commlab.all_reduce(torch.ones(10), group=g, algorithm="shm")
-    comm = commlab.shm._entries.get(g).comm
+    comm = shm._entries.get(g).comm
     spin, yield_us = comm.spin, comm.yield_us
     dist.destroy_process_group(g)
     return spin, yield_us, len(os.sched_getaffinity(0))
@@ -181,5 +182,5 @@ def spin_choice(rank, p):
 @pytest.mark.parametrize("world", [2, 4])
 def test_waiters_spin_and_yield_only_with_a_core_each(ranks, world):
     for spin, yield_us, cores in ranks.run(world, spin_choice):
-        assert spin == (commlab.shm.SPIN if world <= cores else 0)
-        assert yield_us == (commlab.shm.YIELD_US if world <= cores else 0)
+        assert spin == (shm.SPIN if world <= cores else 0)
+        assert yield_us == (shm.YIELD_US if world <= cores else 0)

@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import RankPool, status_payload
 
 import commlab
-import commlab.shm
-from ranks import RankPool
+from commlab.transports import shm
 
 SHM_ALGORITHMS = ["shm", "shm_ps"]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -160,7 +160,7 @@ def test_a_forked_child_gets_an_error_and_leaves_the_parent_alone(ranks):
 def dies_after_creating_its_segment(rank, p, victim):
     """Every rank wraps the extension so it sees the group's token; the victim dies
     right after its segment exists, before the group-wide unlink."""
-    real = commlab.shm._ext.require
+    real = shm.ext.require
     seen = {}
 
     class Creator:  # commlab._C.ShmComm, except that the victim dies after creating
@@ -180,12 +180,12 @@ def dies_after_creating_its_segment(rank, p, victim):
         def __getattr__(self, name):
             return getattr(real(), name)
 
-    commlab.shm._ext.require = lambda: Extension()
+    shm.ext.require = lambda: Extension()
     g = dist.new_group(list(range(p)))
     try:
         out = _outcome(lambda: commlab.all_reduce(torch.ones(100), group=g, algorithm="shm"))
     finally:
-        commlab.shm._ext.require = real
+        shm.ext.require = real
     out["left"] = _leftovers(seen.get("token"))
     out["token"] = seen.get("token")
     return out
@@ -193,11 +193,11 @@ def dies_after_creating_its_segment(rank, p, victim):
 
 def test_survivors_of_a_failed_setup_unlink_every_name():
     pool = RankPool(3, pg_timeout_s=10, env={"COMMLAB_SHM_CAPACITY": "16384"})
-    res = pool.run_faulty(dies_after_creating_its_segment, 1, timeout=60)
-    assert res[1][0] == "missing", res[1]
+    res = pool.outcomes(dies_after_creating_its_segment, 1, timeout=60)
+    assert res[1].status == "missing", res[1]
     tokens = set()
     for r in (0, 2):
-        status, payload = res[r]
+        status, payload = status_payload(res[r])
         assert status == "ok", payload
         assert payload["type"] in ("PeerError", "CommlabError"), payload
         assert payload["left"] == [], payload

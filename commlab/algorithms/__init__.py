@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from ..errors import UnsupportedError
+from commlab.core.errors import UnsupportedError
+
 from .base import Algorithm, Context, Cost, Traffic
 
 _REGISTRY: dict[str, Algorithm] = {}

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..groups import GroupInfo
-from ..p2p import P2P
-from ..reduction import Op
+from commlab.core.groups import GroupInfo
+from commlab.core.reduction import Op
+from commlab.transports.p2p import P2P
 
 
 @dataclass(frozen=True)

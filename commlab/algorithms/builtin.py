@@ -1,9 +1,10 @@
 """The backend's own all-reduce (gloo on CPU, NCCL on GPU): the baseline."""
-from ..errors import PeerError
-from ..reduction import TO_TORCH
-from .base import Algorithm, Cost
-
 import torch.distributed as dist
+
+from commlab.core.errors import PeerError
+from commlab.core.reduction import TO_TORCH
+
+from .base import Algorithm, Cost
 
 
 class Builtin(Algorithm):

@@ -1,7 +1,9 @@
 """All-reduce of CUDA tensors on one host without NCCL: CUDA IPC one-/two-shot kernels
 when every GPU can read every other's memory, host-staged shared memory otherwise
 (GPUs without P2P, or several processes on one GPU)."""
-from .. import _ext, ipc
+from commlab.core import ext
+from commlab.transports import ipc
+
 from .base import Algorithm, Cost
 
 
@@ -13,7 +15,7 @@ class CudaIpc(Algorithm):
     wins_when = "GPUs of one host with NVLink/PCIe P2P and small to medium messages (latency-bound)"
     devices = ("cuda",)
     order = 80
-    mode = 0  # auto: one-shot up to COMMLAB_IPC_ONESHOT_MAX
+    mode = ipc.Mode.AUTO  # one-shot up to COMMLAB_IPC_ONESHOT_MAX, two-shot above
 
     def cost(self, p, nbytes):
         if nbytes <= ipc.ONESHOT_MAX:
@@ -21,9 +23,9 @@ class CudaIpc(Algorithm):
         return Cost(2, 2 * (p - 1) / p * nbytes, (p - 1) / p * nbytes)
 
     def unsupported(self, tensor, op, info):
-        if _ext.C is None:
-            return f"commlab._C is not built ({_ext.IMPORT_ERROR})"
-        if not _ext.HAS_CUDA:
+        if ext.C is None:
+            return f"commlab._C is not built ({ext.IMPORT_ERROR})"
+        if not ext.HAS_CUDA:
             return "commlab._C was built without CUDA kernels (no CUDA toolkit at build time, or COMMLAB_NO_CUDA=1)"
         return None
 

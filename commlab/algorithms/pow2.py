@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..reduction import combine_into
+from commlab.core.reduction import combine_into
+
 from .base import Context
 
 

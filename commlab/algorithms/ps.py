@@ -3,7 +3,8 @@ tensor to the root, the root reduces in rank order and sends the result back.
 The root moves 2(p-1)·n bytes and holds p copies: the bottleneck the seed measures."""
 import torch
 
-from ..reduction import reduce_into
+from commlab.core.reduction import reduce_into
+
 from .base import Algorithm, Cost
 
 ROOT = 0

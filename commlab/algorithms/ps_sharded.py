@@ -3,8 +3,9 @@ Same bytes per rank as the ring, in two all-to-all phases: the central server, n
 the parameter-server idea, is what does not scale."""
 import torch
 
-from .. import chunks
-from ..reduction import reduce_into
+from commlab.core import chunks
+from commlab.core.reduction import reduce_into
+
 from .base import Algorithm, Cost
 
 

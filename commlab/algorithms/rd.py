@@ -2,7 +2,8 @@
 wins for small messages; bytes grow as n·log2(p), so it loses for large ones."""
 import torch
 
-from ..reduction import combine_into
+from commlab.core.reduction import combine_into
+
 from . import pow2
 from .base import Algorithm, Cost
 

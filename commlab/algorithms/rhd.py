@@ -3,8 +3,9 @@ all-gather by recursive doubling. Ring's bandwidth with log2(p) latency; groups 
 any size are folded onto a power of two first."""
 import torch
 
-from .. import chunks
-from ..reduction import combine_
+from commlab.core import chunks
+from commlab.core.reduction import combine_
+
 from . import pow2
 from .base import Algorithm, Cost
 

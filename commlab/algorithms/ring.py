@@ -4,8 +4,9 @@ import os
 
 import torch
 
-from .. import chunks
-from ..reduction import combine_
+from commlab.core import chunks
+from commlab.core.reduction import combine_
+
 from .base import Algorithm, Cost
 
 # Within one step a chunk travels as segments so the reduction of segment k

@@ -1,7 +1,8 @@
 """Shared-memory all-reduce for CPU ranks on one host (commlab._C.ShmComm): one-shot
 (every rank reduces all inputs, one synchronisation) for small messages, two-shot
 (reduce-scatter into one's own slot, then all-gather) for large ones."""
-from .. import shm
+from commlab.transports import shm
+
 from .base import Algorithm, Cost, Traffic
 
 
@@ -13,7 +14,7 @@ class SharedMemory(Algorithm):
     wins_when = "ranks on one host: no sockets, no kernel copies, reductions read peers' memory directly"
     devices = ("cpu",)
     order = 60
-    mode = shm.MODE_AUTO
+    mode = shm.Mode.AUTO
 
     def cost(self, p, nbytes):
         if nbytes <= shm.ONESHOT_MAX:

@@ -1,6 +1,7 @@
 """Shared memory with one reducer: rank 0 alone reduces every rank's input and the
 others copy the result (DataParallel's pattern over shared memory, for the comparison)."""
-from .. import shm
+from commlab.transports import shm
+
 from .base import Cost, Traffic
 from .shm import SharedMemory
 
@@ -11,7 +12,7 @@ class SharedMemoryRoot(SharedMemory):
     formula = "2α + 2n·β(copy in, copy out) + (p-1)·nγ  (all reduction on the root)"
     wins_when = "never by design: shows a central reducer's cost without network effects"
     order = 70
-    mode = shm.MODE_ROOT
+    mode = shm.Mode.ROOT
 
     def cost(self, p, nbytes):
         return Cost(2, 2 * nbytes, (p - 1) * nbytes)

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "dtype.h"
+#include "../common/codes.h"
 
 namespace commlab {
 
@@ -38,13 +38,13 @@ template <typename A> __device__ __forceinline__ bool is_nan(A a) {
   return false;
 }
 
-// The CPU kernels' semantics (csrc/cpu/reduce_impl.inc): MIN/MAX propagate NaN.
+// The CPU kernels' semantics (csrc/cpu/reduce/reduce_impl.inc): MIN/MAX propagate NaN.
 template <typename A>
-__device__ __forceinline__ A combine(A a, A b, int op) {
+__device__ __forceinline__ A combine(A a, A b, RedOp op) {
   switch (op) {
-    case 0: return a + b;
-    case 1: return a * b;
-    case 2:
+    case RedOp::kSum: return a + b;
+    case RedOp::kProduct: return a * b;
+    case RedOp::kMin:
       if (is_nan(a)) return a;
       if (is_nan(b)) return b;
       return b < a ? b : a;

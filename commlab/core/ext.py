@@ -1,0 +1,31 @@
+"""Access to the compiled extension commlab._C."""
+from __future__ import annotations
+
+import torch  # noqa: F401  (loads libtorch before the extension needs it)
+
+try:
+    from commlab import _C as C
+except ImportError as e:  # pragma: no cover - only without a build
+    C = None
+    IMPORT_ERROR = e
+else:
+    IMPORT_ERROR = None
+
+HAS_CUDA = bool(C is not None and C.has_cuda())
+
+
+def require():
+    if C is None:
+        from commlab.core.errors import CommlabError
+
+        raise CommlabError(
+            "commlab._C is not built: run `pip install --no-build-isolation -e .` "
+            f"({IMPORT_ERROR})"
+        )
+    return C
+
+
+def reduce_n_serves(t: torch.Tensor) -> bool:
+    if C is None:
+        return False
+    return t.device.type == "cpu" or (t.device.type == "cuda" and HAS_CUDA)

@@ -1,0 +1,147 @@
+"""Issue order per process group, for async_op.
+
+Collectives on a group must run in the same order on every rank. Each group gets a
+lane: an async call is queued to the lane's daemon thread; a blocking call runs
+inline when nothing is queued or running, else it queues behind the pending work and
+waits, so blocking and async calls never overtake each other. The decision to run
+inline and the queueing happen under one lock, and the lane thread starts a job only
+when no inline call is running.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+import torch
+
+from commlab.core import groups
+from commlab.core.errors import CommlabError
+
+
+class Work:
+    """The handle all_reduce(async_op=True) returns, shaped like torch's Work. For CUDA
+    tensors its Future is CUDA-aware: waiting on it orders the waiter's stream after
+    the work's."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor = tensor
+        self._future: torch.futures.Future = (torch.futures.Future(devices=[tensor.device]) if tensor.is_cuda
+                                              else torch.futures.Future())
+        self._done = threading.Event()
+
+    def wait(self, timeout=None) -> bool:
+        """Block until the work finished; raise its error. With a timeout (seconds or a
+        timedelta) raise CommlabError when it has not finished by then, like torch's."""
+        if timeout is not None:
+            secs = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+            if not self._done.wait(secs):
+                raise CommlabError(f"commlab: all_reduce did not complete within {secs:g} s (Work.wait timeout)")
+        else:
+            while not self._done.wait(0.1):  # slices keep Ctrl-C responsive
+                pass
+        self._future.value()  # re-raise the job's error in the waiter
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self.exception() is None
+
+    def exception(self):
+        if not self._done.is_set():
+            return None
+        try:
+            self._future.value()
+        except Exception as e:  # noqa: BLE001 - reported, not handled
+            return e
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        """Completes with [tensor], like torch.distributed's Work.get_future()."""
+        return self._future
+
+    def _finish(self, error: BaseException | None) -> None:
+        if error is None:
+            self._future.set_result([self._tensor])
+        else:
+            self._future.set_exception(error)
+        self._done.set()
+
+
+class _Lane:
+    def __init__(self, name: str):
+        self._q: queue.Queue = queue.Queue()
+        self._pending = 0  # queued or running on the lane thread
+        self._inline = False  # a blocking call is running on its caller's thread
+        self._cond = threading.Condition()
+        self._name = name
+        self._thread: threading.Thread | None = None
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            job, work, stream = item
+            with self._cond:  # an inline call that was admitted first finishes first
+                while self._inline:
+                    self._cond.wait()
+            error = None
+            try:
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        job()
+                else:
+                    job()
+            except BaseException as e:  # noqa: BLE001 - delivered through the Future
+                error = e
+            if stream is not None:
+                with torch.cuda.stream(stream):  # the Future records its event on this stream
+                    work._finish(error)
+            else:
+                work._finish(error)
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
+    def try_inline(self) -> bool:
+        """Admit a blocking call to run on the caller's thread: only when nothing is
+        queued or running. The caller must call end_inline() afterwards."""
+        with self._cond:
+            if self._pending or self._inline:
+                return False
+            self._inline = True
+            return True
+
+    def end_inline(self) -> None:
+        with self._cond:
+            self._inline = False
+            self._cond.notify_all()
+
+    def submit(self, job: Callable[[], None], tensor: torch.Tensor, async_op: bool) -> Work | None:
+        work = Work(tensor)
+        # Work queued from a CUDA stream runs on that stream, keeping the caller's ordering.
+        stream = torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
+        with self._cond:
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._q.put((job, work, stream))
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def stop(self) -> None:
+        """Let the thread end once the queued work is done (its group is gone)."""
+        self._q.put(None)
+
+
+_lanes = groups.PerGroup(lambda g: _Lane(f"commlab-lane-{id(g):x}"), release=_Lane.stop)
+
+
+def lane(group) -> _Lane:
+    return _lanes.get(group)

@@ -1,0 +1,2 @@
+"""Diagnostics: the seed's DP/DDP decision tree (advise) and its troubleshooting checks
+(doctor)."""

@@ -1,0 +1,342 @@
+"""nccl-tests-style all-reduce benchmark over every registered algorithm.
+
+    torchrun --nproc_per_node=4 -m commlab.allreduce_bench          # CPU default sweep
+    python -m commlab.allreduce_bench --world-size 4 -b 4K -e 64M
+    mpiexec -n 4 python -m commlab.allreduce_bench                   # adds an `mpi` row
+
+algbw = S/t (GB/s, 1e9 bytes); busbw = algbw·2(p-1)/p, comparable to link speed
+whatever the algorithm. t is nccl-tests' time: a loop's duration over its iterations,
+slowest rank; the median per call (slowest rank per call) is printed beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import commlab
+from commlab import algorithms
+from commlab.core.reduction import Op, finish_average_, parse_op
+from commlab.measure import costmodel, envinfo, launch
+from commlab.measure.timing import Interleaved
+from commlab.measure.units import format_bytes, parse_bytes
+
+DTYPES = {
+    "float": torch.float32, "float32": torch.float32, "double": torch.float64, "float64": torch.float64,
+    "half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int32": torch.int32, "int": torch.int32, "int64": torch.int64, "uint8": torch.uint8,
+}
+OPS = {"sum": "SUM", "prod": "PRODUCT", "product": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}
+
+
+@dataclass
+class Row:
+    """One row of a bench: a registry algorithm, or an external anchor (mpi)."""
+
+    name: str
+    call: Callable[[torch.Tensor, Op], None]
+
+
+def registry_rows(names: list[str], device_type: str) -> list[Row]:
+    rows = []
+    for n in names:
+        if device_type not in algorithms.get(n).devices:
+            continue
+        rows.append(Row(n, lambda t, op, n=n: commlab.all_reduce(t, op=op, algorithm=n)))
+    return rows
+
+
+def mpi_row(dtype: torch.dtype, device_type: str = "cpu") -> Row | None:
+    """MPI_Allreduce through mpi4py, as an external anchor in the same run; only when
+    mpiexec launched us (importing mpi4py elsewhere makes a 1-rank MPI world)."""
+    if launch.active().kind != "mpi" or dtype in (torch.float16, torch.bfloat16):
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != dist.get_world_size():
+        return None
+    mpi_ops = {Op.SUM: MPI.SUM, Op.AVG: MPI.SUM, Op.PRODUCT: MPI.PROD, Op.MIN: MPI.MIN, Op.MAX: MPI.MAX}
+
+    def call(t: torch.Tensor, op: Op) -> None:
+        comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=mpi_ops[op])
+        if op is Op.AVG:
+            finish_average_(t, comm.Get_size())
+
+    def staged(t: torch.Tensor, op: Op) -> None:
+        # mpi4py takes host buffers (a CUDA-aware MPI is not assumed): through the host.
+        host = t.cpu()
+        call(host, op)
+        t.copy_(host)
+
+    if device_type == "cuda":
+        return Row("mpi:host-staged", staged)
+    return Row("mpi", call)
+
+
+def check_input(rank: int, count: int, dtype: torch.dtype, op: Op, device) -> torch.Tensor:
+    """Small integers, exact in every dtype, so #wrong is an exact count."""
+    i = torch.arange(count, dtype=torch.int64)
+    v = ((i + rank) % 2 + 1) if op is Op.PRODUCT else ((i * 7 + rank * 3) % 5)
+    return v.to(dtype).to(device)
+
+
+def expected(p: int, count: int, dtype: torch.dtype, op: Op, device) -> torch.Tensor:
+    xs = torch.stack([check_input(r, count, torch.int64, op, "cpu") for r in range(p)])
+    if op is Op.PRODUCT:
+        red = xs.prod(0)
+    elif op is Op.MIN:
+        red = xs.amin(0)
+    elif op is Op.MAX:
+        red = xs.amax(0)
+    else:
+        red = xs.sum(0)
+    red = red.to(dtype)
+    if op is Op.AVG:
+        finish_average_(red, p)
+    return red.to(device)
+
+
+def run_bench(args) -> dict | None:
+    device = torch.device(args.device if args.device != "cuda" else f"cuda:{torch.cuda.current_device()}")
+    rank, p = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[args.datatype]
+    op = parse_op(OPS[args.op])
+    names = algorithms.names() if args.algorithms == "all" else [a.strip() for a in args.algorithms.split(",")]
+    for n in names:
+        algorithms.get(n)  # unknown names fail here, on every rank alike
+    rows = registry_rows(names, device.type)
+    anchor = mpi_row(dtype, device.type)
+    if anchor is not None:
+        rows.append(anchor)
+    sizes = size_list(args)
+    env = envinfo.collect(device)
+    env["gamma_us_per_byte"] = costmodel.measure_gamma_us_per_byte(dtype, device)
+    if device.type == "cpu" and any(algorithms.get(r.name).memory_traffic(p, 1 << 20) is not None
+                                    for r in rows if r.name in algorithms.names()):
+        # Memory-bound transports get a floor: the bandwidth every rank gets with all
+        # ranks streaming at once, at each size's working set and at a cache-sized one.
+        env["cores"] = len(os.sched_getaffinity(0))
+        env["group_bandwidth_gbps"] = {str(n): costmodel.measure_group_bandwidth_gbps(n)
+                                       for n in sizes if n >= FLOOR_MIN_BYTES}
+        env["group_bandwidth_fast_gbps"] = costmodel.measure_group_bandwidth_gbps(costmodel.FAST_WORKING_SET)
+    results = []
+    progress = Progress(len(sizes) * len(rows) * max(1, args.rounds),
+                        enabled=(rank == 0 and sys.stderr.isatty() and not args.quiet))
+    for nbytes in sizes:
+        count = max(nbytes // dtype.itemsize, 1)
+        fill = 1 if op is Op.PRODUCT else 0  # stays finite however often it is reduced
+        buf = torch.full((count,), fill, dtype=dtype, device=device)
+        clock = Interleaved(device=device, iters=args.iters, warmup=args.warmup_iters, blocking=args.blocking,
+                            budget_s=args.budget, max_iters=args.max_iters, rounds=args.rounds)
+        for _ in range(clock.rounds):
+            for row in rows:
+                progress.step(f"{row.name} {format_bytes(count * dtype.itemsize)}")
+                clock.round(row.name, lambda: row.call(buf, op))
+                buf.fill_(fill)
+        for row in rows:
+            t = clock.result(row.name)
+            wrong = -1
+            if args.check:
+                x = check_input(rank, count, dtype, op, device)
+                row.call(x, op)
+                wrong_t = torch.tensor([int((x != expected(p, count, dtype, op, device)).sum())], device=device)
+                dist.all_reduce(wrong_t)
+                wrong = int(wrong_t.item())
+            size = count * dtype.itemsize
+            algbw = size / t.mean_us / 1e3
+            results.append({
+                "algorithm": row.name, "bytes": size, "count": count, "dtype": str(dtype).replace("torch.", ""),
+                "op": op.name.lower(), "time_us": t.mean_us, "algbw_gbps": algbw,
+                "busbw_gbps": algbw * algorithms.Algorithm.busbw_factor(p), "wrong": wrong,
+                "p50_us": t.median_us, "p10_us": t.p10_us, "p90_us": t.p90_us, "iters": t.iters,
+            })
+    progress.done()
+    return {"env": env, "results": results} if rank == 0 else None
+
+
+def size_list(args) -> list[int]:
+    lo, hi = parse_bytes(args.minbytes), parse_bytes(args.maxbytes)
+    if lo <= 0 or hi < lo:
+        raise SystemExit(f"allreduce_bench: need 0 < minbytes <= maxbytes (got {lo}, {hi})")
+    sizes, n = [], lo
+    step = parse_bytes(args.stepbytes) if args.stepbytes else None
+    while n <= hi:
+        sizes.append(n)
+        n = n + step if step else n * args.stepfactor
+        if not step and args.stepfactor <= 1:
+            break
+    return sizes
+
+
+class Progress:
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.n, self.enabled = total, 0, enabled
+
+    def step(self, what: str) -> None:
+        self.n += 1
+        if self.enabled:
+            filled = int(30 * self.n / max(self.total, 1))
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.n}/{self.total} {what:<24}")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r" + " " * 72 + "\r")
+            sys.stderr.flush()
+
+
+def report(doc: dict) -> str:
+    env, results = doc["env"], doc["results"]
+    p = env["world_size"]
+    fits = costmodel.fit([(r["algorithm"], p, r["bytes"], r["time_us"]) for r in results],
+                         env.get("gamma_us_per_byte"))
+    base = {r["bytes"]: r["time_us"] for r in results if r["algorithm"] == "builtin"}
+    lines = envinfo.header_lines(env)
+    lines.append("#")
+    lines.append(f"# {'size':>10} {'count':>10} {'type':>8} {'redop':>6} {'algorithm':>11} {'time(us)':>10} "
+                 f"{'p50 call':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'model(us)':>10} {'vs builtin':>10}")
+    for r in results:
+        f = fits.get(r["algorithm"])
+        model = f"{f.predict_us(p, r['bytes']):10.1f}" if f else f"{'-':>10}"
+        vs = f"{base[r['bytes']] / r['time_us']:9.2f}x" if r["bytes"] in base else f"{'-':>10}"
+        wrong = "N/A" if r["wrong"] < 0 else str(r["wrong"])
+        lines.append(f"  {r['bytes']:>10} {r['count']:>10} {r['dtype']:>8} {r['op']:>6} {r['algorithm']:>11} "
+                     f"{r['time_us']:10.1f} {r.get('p50_us', float('nan')):10.1f} {r['algbw_gbps']:7.3f} {r['busbw_gbps']:7.3f} {wrong:>6} {model} {vs}")
+    lines.append("#")
+    algs = list(dict.fromkeys(r["algorithm"] for r in results))
+    lines.append("# average busbw (GB/s): " + ", ".join(
+        f"{a} {sum(r['busbw_gbps'] for r in results if r['algorithm'] == a) / max(1, sum(1 for r in results if r['algorithm'] == a)):.3f}"
+        for a in algs))
+    lines.append("# fastest per size: " + ", ".join(
+        f"{format_bytes(n)}={min((r for r in results if r['bytes'] == n), key=lambda r: r['time_us'])['algorithm']}"
+        for n in dict.fromkeys(r["bytes"] for r in results)))
+    lines.append("# cost model fit (time = steps*alpha + bytes_sent*beta + bytes_reduced*gamma):")
+    for a, f in fits.items():
+        lines.append(f"#   {a:>11}: alpha {f.alpha_us:8.2f} us  1/beta {f.bandwidth_gbps:8.3f} GB/s  "
+                     f"gamma {f.gamma_us_per_byte * 1e3:7.4f} ns/B  fit error median {f.median_rel_err * 100:.1f}% "
+                     f"max {f.max_rel_err * 100:.1f}%")
+    lines.extend(floor_lines(results, env))
+    wrong = sum(r["wrong"] for r in results if r["wrong"] > 0)
+    lines.append(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    return "\n".join(lines)
+
+
+FLOOR_MIN_BYTES = 1 << 20  # below this, synchronisation, not memory, bounds the time
+
+
+def floor_lines(results: list[dict], env: dict) -> list[str]:
+    """Memory-bound transports against their floor (costmodel.memory_floor_us), with
+    rates measured in this run with every rank streaming at once."""
+    rates = env.get("group_bandwidth_gbps")
+    if not rates:
+        return []
+    p, fast, out = env["world_size"], env["group_bandwidth_fast_gbps"], []
+    for r in results:
+        rate = rates.get(str(r["bytes"]))
+        if r["algorithm"] not in algorithms.names() or rate is None:
+            continue
+        traffic = algorithms.get(r["algorithm"]).memory_traffic(p, r["bytes"])
+        if traffic is None:
+            continue
+        floor = costmodel.memory_floor_us(traffic, rate, fast)
+        total = (traffic.tensor + traffic.staging) / r["bytes"]
+        out.append(f"#   {r['algorithm']:>11} {format_bytes(r['bytes']):>5}: floor {floor:10.1f} us (tensor "
+                   f"{traffic.tensor / r['bytes']:.2f}n at {rate:.1f} GB/s, or all {total:.2f}n at {fast:.1f} GB/s) "
+                   f"-> efficiency {floor / r['time_us'] * 100:5.1f}%")
+    if out:
+        out.insert(0, f"# memory-traffic floor per rank ({p} ranks on {env['cores']} cores): the larger of the tensor's "
+                      "bytes at the bandwidth each rank gets with all ranks streaming a working set of that size at "
+                      "once, and all bytes at the bandwidth they get in 1 MiB working sets (best of read, copy and "
+                      "in-place passes, slowest rank, measured in this run):")
+    return out
+
+
+def write_outputs(doc: dict, args) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(doc["results"][0].keys()) if doc["results"] else ["algorithm"])
+            w.writeheader()
+            w.writerows(doc["results"])
+    if args.plot:
+        from commlab.measure.plots import plot_bench
+
+        plot_bench(doc, args.plot)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="commlab.allreduce_bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-b", "--minbytes", default="8")
+    ap.add_argument("-e", "--maxbytes", default="64M")
+    ap.add_argument("-f", "--stepfactor", type=int, default=2)
+    ap.add_argument("-i", "--stepbytes", default=None, help="linear steps of this size instead of -f")
+    ap.add_argument("-n", "--iters", type=int, default=None,
+                    help="timed iterations per size (default: as many as fit --budget, at most --max-iters)")
+    ap.add_argument("-w", "--warmup_iters", type=int, default=3)
+    ap.add_argument("-c", "--check", type=int, default=1, help="1: verify results exactly (#wrong)")
+    ap.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPES))
+    ap.add_argument("-o", "--op", default="sum", choices=sorted(OPS))
+    ap.add_argument("--algorithms", default="all", help="comma list of registered algorithms, or all")
+    ap.add_argument("--blocking", action="store_true", help="barrier and time each call separately")
+    ap.add_argument("--budget", type=float, default=0.25, help="seconds of timing per size and algorithm")
+    ap.add_argument("--max-iters", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="time the algorithms of a size in this many interleaved rounds, so a machine "
+                         "whose speed drifts slows them alike (1: one after the other)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--backend", default=None, help="process-group backend (default: nccl on GPU, gloo on CPU)")
+    ap.add_argument("--world-size", type=int, default=None, help="spawn this many local ranks (no torchrun)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="process-group timeout in seconds")
+    ap.add_argument("--json"), ap.add_argument("--csv"), ap.add_argument("--plot")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    return ap
+
+
+def _threads() -> int:
+    return int(os.environ.get("COMMLAB_BENCH_THREADS", "1"))
+
+
+def rank_main(args) -> None:
+    torch.set_num_threads(_threads())
+    info = launch.detect()
+    backend = args.backend or launch.default_backend(args.device)
+    launch.init(info, backend, args.timeout, args.device)
+    doc = run_bench(args)
+    if doc is not None:
+        print(report(doc), flush=True)
+        write_outputs(doc, args)
+    launch.leave()
+
+
+def _spawned_rank(rank: int, world: int, args) -> None:
+    rank_main(args)  # the launcher gave it torchrun's environment
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.world_size and launch.detect().kind == "single":
+        outcomes = launch.run_once(args.world_size, _spawned_rank, args, threads=_threads())
+        failed = launch.report_failures(outcomes)
+        if failed:
+            print(failed, file=sys.stderr)
+            return 1
+    else:
+        rank_main(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

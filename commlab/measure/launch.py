@@ -1,0 +1,368 @@
+"""Starting ranks and their process group: from whatever launched us (torchrun's env://,
+mpiexec with the rendezvous address broadcast through MPI, or a single process), and
+the one local launcher every tool uses to start N ranks on loopback (RankPool,
+run_once): the CLI's --world-size, compare's modes, doctor's smoke test, the tests'
+rank pools and the bench's group."""
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import queue
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+_MPI_RANK = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+_MPI_SIZE = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+_MPI_LOCAL = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class Launch:
+    kind: str  # "torchrun" | "mpi" | "spawn" | "single"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int = 1  # ranks on this host
+
+
+def _env_int(names) -> int | None:
+    for n in names:
+        if n in os.environ:
+            return int(os.environ[n])
+    return None
+
+
+_MPI_LOCAL_SIZE = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE")
+
+
+def detect() -> Launch:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        size = int(os.environ["WORLD_SIZE"])
+        return Launch("torchrun", int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")),
+                      int(os.environ.get("LOCAL_WORLD_SIZE", str(size))))
+    rank, size = _env_int(_MPI_RANK), _env_int(_MPI_SIZE)
+    if rank is not None and size is not None:
+        return Launch("mpi", rank, size, _env_int(_MPI_LOCAL) or 0, _env_int(_MPI_LOCAL_SIZE) or size)
+    return Launch("single", 0, 1, 0, 1)
+
+
+def check_gpus_per_rank(local_ranks: int, backend: str, gpus: int) -> str | None:
+    """Why these ranks cannot each have a GPU of their own (None when they can). NCCL
+    needs one GPU per rank: ranks sharing one fail or hang inside NCCL."""
+    if gpus == 0:
+        return "no CUDA device is visible (--device cuda)"
+    if backend == "nccl" and local_ranks > gpus:
+        return (f"{local_ranks} ranks on this host but {gpus} GPU(s): NCCL needs a GPU per rank; start at most "
+                f"{gpus} ranks (torchrun --nproc_per_node={gpus}), or use --backend gloo to share GPUs")
+    return None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+_active: Launch | None = None
+
+
+def active() -> Launch:
+    """How this process was launched, as init() saw it (init rewrites RANK/WORLD_SIZE)."""
+    return _active or detect()
+
+
+def init(launch: Launch, backend: str, timeout_s: float, device: str) -> None:
+    global _active
+    _active = launch
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device == "cuda":
+        problem = check_gpus_per_rank(launch.local_world_size, backend, torch.cuda.device_count())
+        if problem:
+            from commlab.core.errors import CommlabError
+
+            raise CommlabError(f"commlab: {problem}")
+        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+    if launch.kind == "mpi":
+        from mpi4py import MPI  # rendezvous through MPI itself: no fixed port to collide on
+
+        comm = MPI.COMM_WORLD
+        addr = comm.bcast((socket.gethostname(), free_port()) if launch.rank == 0 else None, root=0)
+        os.environ.setdefault("MASTER_ADDR", addr[0] if comm.Get_size() > 1 else "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(addr[1]))
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(launch.rank), str(launch.world_size)
+    elif launch.kind == "single":
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
+    dist.init_process_group(backend, init_method="env://", rank=launch.rank,
+                            world_size=launch.world_size, timeout=timeout)
+
+
+def leave(together: bool = True) -> None:
+    """Leave the process group (together: after a barrier) and free it while the
+    interpreter is alive.
+
+    The barrier: gloo can abort a process whose peers tear their connections down while
+    it still uses them. The collect: a group that only dies during interpreter shutdown
+    has gloo worker threads releasing Python-owned tensors after the GIL is gone, which
+    aborts the process; nothing of commlab's holds a group (groups.py), but cycles in the
+    caller's objects can, so they go now.
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        if together:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        gc.collect()
+
+
+# -- the one local launcher ----------------------------------------------------------------
+
+
+class RankFailure(AssertionError):
+    """Some rank of a pool failed or never answered; the message holds its traceback or
+    its stacks."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # "ok" | "error" | "missing"
+    result: object = None  # "ok": the function's value
+    error: str = ""  # "error": the traceback; "missing": the rank's stacks, when it could give them
+    error_type: str = ""  # "error": the exception's class name
+    alive: bool = False  # "missing": whether the process still ran
+
+
+def _stacks_path(workdir: str, rank: int) -> str:
+    return os.path.join(workdir, f"stacks{rank}")
+
+
+def _rank_main(rank: int, world_size: int, workdir: str, port: int, backend: str | None, pg_timeout_s: float,
+               threads: int, env: dict, inq, outq) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import faulthandler
+    import signal
+    import traceback
+
+    # A rank that never answers is asked for its stacks (SIGUSR1) before it is killed.
+    faulthandler.register(signal.SIGUSR1, file=open(_stacks_path(workdir, rank), "w"), all_threads=True)
+    torch.set_num_threads(threads)  # ranks share the cores: intra-op threads would only fight
+    try:
+        if backend is not None:
+            _init_pool_group(rank, world_size, workdir, backend, pg_timeout_s)
+        outq.put((rank, "ready", None))
+    except BaseException:
+        outq.put((rank, "error", (traceback.format_exc(), "setup")))
+        return
+    while True:
+        item = inq.get()
+        if item is None:
+            break
+        fn, args, kwargs = item
+        try:
+            outq.put((rank, "ok", fn(rank, world_size, *args, **kwargs)))
+        except BaseException as e:
+            outq.put((rank, "error", (traceback.format_exc(), type(e).__name__)))
+    leave(together=False)  # peers may be gone already: no barrier
+
+
+def _init_pool_group(rank: int, world_size: int, workdir: str, backend: str, pg_timeout_s: float) -> None:
+    dist.init_process_group(backend, init_method=f"file://{os.path.join(workdir, 'store')}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
+
+
+class RankPool:
+    """The one local launcher: ranks as spawned processes on this host, each with
+    torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT on loopback) and, unless backend is None, a process group already up;
+    they run the functions sent to them, fn(rank, world_size, *args), and send back the
+    value or the traceback. A rank that never answers is reported with its stacks.
+
+    Tests and the bench keep one pool per world size (importing torch in fresh processes
+    for every call would dominate on 2 cores); compare, doctor and the CLI take fresh
+    processes for each job (run_once). `spawn` picks which ranks are spawned: the bench
+    spawns 1..N-1 and this process joins as rank 0 (local_init)."""
+
+    def __init__(self, world_size: int, *, backend: str | None = "gloo", pg_timeout_s: float = 30.0,
+                 start_timeout_s: float = 120.0, env: dict | None = None, spawn=None, threads: int = 1):
+        import multiprocessing as mp
+        import tempfile
+
+        self.world_size = world_size
+        self.broken = False
+        self.backend, self.pg_timeout_s = backend, pg_timeout_s
+        self._dir = tempfile.mkdtemp(prefix="commlab-ranks-")
+        self._port = free_port()
+        self._ranks = list(range(world_size) if spawn is None else spawn)
+        ctx = mp.get_context("spawn")
+        self._inq = {r: ctx.Queue() for r in self._ranks}
+        self._outq = ctx.Queue()
+        self._procs = {
+            r: ctx.Process(target=_rank_main, args=(r, world_size, self._dir, self._port, backend, pg_timeout_s,
+                                                    threads, dict(env or {}), self._inq[r], self._outq),
+                           daemon=True, name=f"commlab-rank{r}")
+            for r in self._ranks
+        }
+        for p in self._procs.values():
+            p.start()
+        self._start_timeout_s = start_timeout_s
+        if len(self._ranks) == world_size:
+            self._collect("start", start_timeout_s, expect="ready")
+
+    def local_init(self, rank: int) -> None:
+        """This process joins the pool's group as `rank` (one the pool did not spawn)."""
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self._port))
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        _init_pool_group(rank, self.world_size, self._dir, self.backend, self.pg_timeout_s)
+        self._collect("start", self._start_timeout_s, expect="ready")
+
+    def submit(self, fn: Callable, *args, **kwargs) -> None:
+        """Send fn(rank, world_size, *args, **kwargs) to every spawned rank."""
+        if self.broken:
+            raise RuntimeError("rank pool is retired")
+        for q in self._inq.values():
+            q.put((fn, args, kwargs))
+
+    def collect(self, what: str = "fn", timeout: float | None = 120.0) -> list:
+        """The submitted function's values by spawned rank; raises RankFailure (and
+        retires the pool) when a rank failed or did not answer in time."""
+        return self._collect(what, timeout, expect="ok")
+
+    def run(self, fn: Callable, *args, timeout: float | None = 120.0, **kwargs) -> list:
+        self.submit(fn, *args, **kwargs)
+        return self.collect(getattr(fn, "__name__", "fn"), timeout)
+
+    def outcomes(self, fn: Callable, *args, timeout: float | None = 120.0, **kwargs) -> dict[int, Outcome]:
+        """For jobs where a rank may fail or die: waits up to timeout for every rank,
+        returns each rank's Outcome (never raises for a rank's failure) and retires
+        the pool."""
+        self.submit(fn, *args, **kwargs)
+        out: dict[int, Outcome] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(out) < len(self._ranks) and (deadline is None or time.monotonic() < deadline):
+            try:
+                rank, status, payload = self._outq.get(timeout=0.2)
+            except queue.Empty:
+                if all(not p.is_alive() for r, p in self._procs.items() if r not in out):
+                    break
+                continue
+            if status == "ok":
+                out[rank] = Outcome("ok", result=payload)
+            elif status == "error":
+                out[rank] = Outcome("error", error=payload[0], error_type=payload[1])
+        missing = [r for r in self._ranks if r not in out]
+        stacks = self._stacks([r for r in missing if self._procs[r].is_alive()])
+        for r in missing:
+            out[r] = Outcome("missing", error=stacks.get(r, ""), alive=self._procs[r].is_alive())
+        self.close()
+        return out
+
+    def _collect(self, what: str, timeout: float | None, expect: str) -> list:
+        results: dict[int, object] = {}
+        errors: dict[int, str] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(results) + len(errors) < len(self._ranks):
+            left = None if deadline is None else deadline - time.monotonic()
+            if errors:
+                # Peers of a failed rank usually block until the group's timeout; their
+                # errors add nothing, the first traceback is the story.
+                left = 2.0 if left is None else min(left, 2.0)
+            try:
+                rank, status, payload = self._outq.get(timeout=1.0 if left is None else max(min(left, 1.0), 0.01))
+            except queue.Empty:
+                if (left is not None and left <= 0.01) or errors:
+                    break
+                if all(not p.is_alive() for r, p in self._procs.items() if r not in results and r not in errors):
+                    break
+                continue
+            if status == expect:
+                results[rank] = payload
+            else:
+                errors[rank] = payload[0] if isinstance(payload, tuple) else str(payload)
+        if errors or len(results) < len(self._ranks):
+            missing = [r for r in self._ranks if r not in results and r not in errors]
+            alive = {r: self._procs[r].is_alive() for r in missing}
+            stacks = self._stacks([r for r in missing if alive[r]])
+            self.close()
+            lines = [f"{what} on {self.world_size} ranks failed"]
+            if missing:
+                lines.append(f"no answer within {timeout}s from rank(s) {missing} (alive: {alive})")
+            for r, text in stacks.items():
+                lines.append(f"--- rank {r} (no answer): where it is ---\n{text}")
+            for r in sorted(errors):
+                lines.append(f"--- rank {r} ---\n{errors[r]}")
+            raise RankFailure("\n".join(lines))
+        return [results[r] for r in self._ranks]
+
+    def _stacks(self, ranks) -> dict[int, str]:
+        """Every thread's stack of each given (live) rank, through faulthandler."""
+        import signal
+
+        out = {}
+        for r in ranks:
+            try:
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                continue
+            time.sleep(0.5)
+            try:
+                with open(_stacks_path(self._dir, r)) as f:
+                    out[r] = f.read()[-6000:]
+            except OSError:
+                pass
+        return out
+
+    def close(self) -> None:
+        import shutil
+
+        if self.broken:
+            return
+        self.broken = True
+        for q in self._inq.values():
+            try:
+                q.put(None)
+            except Exception:  # noqa: BLE001 - a closed queue: the rank is gone anyway
+                pass
+        deadline = time.monotonic() + 5
+        for p in self._procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self._procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def run_once(world_size: int, fn: Callable, *args, backend: str | None = None, timeout: float | None = None,
+             env: dict | None = None, threads: int = 1, pg_timeout_s: float = 30.0, **kwargs) -> dict[int, Outcome]:
+    """Fresh processes for one job (a compare mode, doctor's smoke test, the CLI's
+    --world-size): spawn, run fn on every rank, collect every rank's Outcome, close.
+    With backend None the function starts its own process group (env://)."""
+    pool = RankPool(world_size, backend=backend, env=env, threads=threads, pg_timeout_s=pg_timeout_s)
+    return pool.outcomes(fn, *args, timeout=timeout, **kwargs)
+
+
+def report_failures(outcomes: dict[int, Outcome]) -> str:
+    """One readable block for the ranks that did not finish (empty when all did)."""
+    lines = []
+    for r, o in sorted(outcomes.items()):
+        if o.status == "error":
+            lines.append(f"--- rank {r} failed ---\n{o.error.rstrip()}")
+        elif o.status == "missing":
+            lines.append(f"--- rank {r} did not finish (alive: {o.alive}) ---" + (f"\n{o.error}" if o.error else ""))
+    return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""Timing collectives the way nccl-tests does, once for every algorithm and anchor.
+
+The headline is nccl-tests' (and OSU's): the time of a loop of back-to-back calls
+divided by its iterations, from the slowest rank. Per-call durations are taken too and
+combined element-wise with MAX across ranks; their median and p10/p90 show the spread.
+They are not the headline because with back-to-back calls the ranks' i-th calls cover
+different stretches of wall-clock time: where ranks outnumber cores, whichever rank was
+descheduled makes every index look slow (docs/measurements.md#the-benchmarks-headline-time).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Timing:
+    mean_us: float  # loop time / iterations, slowest rank: the headline
+    median_us: float  # per call, slowest rank per call
+    p10_us: float
+    p90_us: float
+    iters: int
+
+
+def percentile(sorted_vals: list[float], q: float) -> float:
+    """The q-quantile of sorted values, linearly interpolated (the one formula commlab
+    reports percentiles with)."""
+    if len(sorted_vals) == 1:
+        return sorted_vals[0]
+    pos = q * (len(sorted_vals) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
+
+
+class Clock:
+    """perf_counter on CPU; CUDA events on GPU so asynchronous launches are timed by
+    their completion, not their issue."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def durations_us(self, marks) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) * 1e3 for a, b in zip(marks, marks[1:])]
+        return [(b - a) * 1e6 for a, b in zip(marks, marks[1:])]
+
+
+def agree_min(value: int, device: torch.device) -> int:
+    """Every rank must run the same number of iterations."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def slowest(durations: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(durations, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()
+
+
+class Interleaved:
+    """Times several calls of one size side by side: `rounds` rounds, each of which
+    times every call once for its share of the iterations. On a machine whose speed
+    drifts (shared hosts, other tenants) every call then sees the same slow and fast
+    phases, so their ratios hold even when absolute times move."""
+
+    def __init__(self, *, device: torch.device, iters: int | None, warmup: int, blocking: bool,
+                 budget_s: float, max_iters: int, rounds: int):
+        self.clock = Clock(device)
+        self.device, self.iters, self.warmup, self.blocking = device, iters, warmup, blocking
+        self.budget_s, self.max_iters, self.rounds = budget_s, max_iters, max(1, rounds)
+        self._per_round: dict[object, int] = {}
+        self._durations: dict[object, list[float]] = {}
+        self._total_us: dict[object, float] = {}
+
+    def _plan(self, call: Callable[[], None]) -> int:
+        """Warm up once and decide how many iterations each round gets (agreed across ranks)."""
+        call()  # the first call may set a transport up (shared memory, IPC): not a sample of its speed
+        t0 = time.perf_counter()
+        for _ in range(max(self.warmup, 1)):
+            call()
+        if self.clock.cuda:
+            torch.cuda.synchronize()
+        per_call = (time.perf_counter() - t0) / max(self.warmup, 1)
+        total = self.iters
+        if total is None:
+            total = int(min(self.max_iters, max(3, self.budget_s / max(per_call, 1e-6))))
+        total = agree_min(total, self.device)
+        return max(1, -(-total // self.rounds))
+
+    def round(self, key, call: Callable[[], None]) -> None:
+        """Time one round of `call`, under the name `key`."""
+        if key not in self._per_round:
+            self._per_round[key] = self._plan(call)
+            self._durations[key] = []
+            self._total_us[key] = 0.0
+        durations, total = _timed(call, self.clock, self._per_round[key], self.blocking, self.device)
+        self._durations[key].extend(durations)
+        self._total_us[key] += total
+
+    def result(self, key) -> Timing:
+        worst = sorted(self._durations[key])
+        return Timing(self._total_us[key] / len(worst), statistics.median(worst), percentile(worst, 0.1),
+                      percentile(worst, 0.9), len(worst))
+
+
+def _timed(call: Callable[[], None], clock: Clock, iters: int, blocking: bool, device) -> tuple[list[float], float]:
+    """Per-iteration durations, each the slowest rank's, and the slowest rank's total."""
+    dist.barrier()
+    if blocking:
+        durations = []
+        for _ in range(iters):
+            dist.barrier()
+            start = clock.mark()
+            call()
+            durations.extend(clock.durations_us([start, clock.mark()]))
+        worst = slowest(durations, device)
+        return worst, sum(worst)  # every call starts together: the slowest rank per call
+    # A barrier releases the ranks up to milliseconds apart when they outnumber the
+    # cores; one untimed call lines them up again, so the first sample is not skew.
+    call()
+    marks = [clock.mark()]
+    for _ in range(iters):
+        call()
+        marks.append(clock.mark())
+    durations = clock.durations_us(marks)
+    # The loop's total rides along as one more element of the element-wise MAX.
+    worst = slowest(durations + [sum(durations)], device)
+    return worst[:-1], worst[-1]

@@ -1,0 +1,177 @@
+"""DP vs DDP, measured: the seed article's table, every mode in fresh processes.
+
+    python -m commlab.compare --device cpu --world-size 4            # CPU default (~2 minutes here)
+    python -m commlab.compare --device cuda --gpus 4 --model resnet50 --batch-size 256
+    python -m commlab.compare --modes dp,ddp,ddp:ring,ddp:noop --json c.json --plot c.png
+    python -m commlab.compare --device cuda --mem-limit-mb 24000 --find-max-batch   # a 24 GB card's limit
+    python -m commlab.compare --device cpu --modes ddp,ddp:shm --bucket-cap-mb 1,5,25,100
+
+Modes: `dp` (nn.DataParallel, one process, GPUs only); `ddp` (DDP with its default
+reduction, made measurable: a comm hook that divides the bucket by the world size and
+calls dist.all_reduce on DDP's process group, as DDP's built-in allreduce hook does, and
+times each bucket); `ddp:<algorithm>` (DDP through commlab's hook for that algorithm);
+`ddp:noop` (no communication: the compute-only floor). Every mode trains the same model
+from the same seed on the same synthetic data.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from commlab import algorithms
+from commlab.measure import envinfo, launch
+from commlab.measure.launch import check_gpus_per_rank
+from commlab.training.compare import report, search, workers
+
+
+def default_modes(device: str) -> list[str]:
+    wanted = ["dp", "ddp", "ddp:ring", "ddp:ps", "ddp:shm", "ddp:noop"]
+    return [m for m in wanted if not m.startswith("ddp:") or m == "ddp:noop" or m[4:] in algorithms.for_device(device)]
+
+
+def all_modes(device: str) -> list[str]:
+    return ["dp", "ddp"] + [f"ddp:{a}" for a in algorithms.for_device(device)] + ["ddp:noop"]
+
+
+def _is_ddp(mode: str) -> bool:
+    return mode == "ddp" or mode.startswith("ddp:")
+
+
+def _failed(mode: str, outcomes: dict, timeout: float) -> dict:
+    """The row of a mode some rank did not finish: oom when a rank ran out of memory."""
+    bad = {r: o for r, o in outcomes.items() if o.status != "ok"}
+    oom = any(o.error_type == "OutOfMemoryError" for o in bad.values())
+    missing = [r for r, o in bad.items() if o.status == "missing"]
+    reason = (f"ranks {missing} did not finish within {timeout:.0f}s; " if missing else "") + "; ".join(
+        f"rank {r}: {o.error.strip().splitlines()[-1]}" for r, o in sorted(bad.items()) if o.status == "error")
+    return {"mode": mode, "status": "oom" if oom else "error", "reason": reason}
+
+
+def run_ddp_mode(mode: str, world: int, args: dict) -> dict:
+    outcomes = launch.run_once(world, workers.ddp_rank, mode, args, timeout=args["mode_timeout"],
+                               threads=args["threads"])
+    if any(o.status != "ok" for o in outcomes.values()):
+        return _failed(mode, outcomes, args["mode_timeout"])
+    res = [outcomes[r].result for r in range(world)]
+    iters = report.iteration_summary(res[0]["times"])
+    return {
+        "mode": mode, "status": "ok", "reason": "",
+        "iter_ms": iters,
+        "samples_per_s": args["batch_size"] / (iters["median"] / 1e3),
+        "peak_memory_mb": [r["memory_mb"] for r in res],
+        "util_percent": [r["util"] for r in res],
+        "grad_sync_ms": {"total": max(r["sync_total"] for r in res), "exposed": max(r["sync_exposed"] for r in res)},
+        "final_loss": res[0]["loss"],
+    }
+
+
+def run_dp_mode(args: dict) -> dict:
+    if args["device"] != "cuda" or not torch.cuda.is_available():
+        return {"mode": "dp", "status": "unavailable",
+                "reason": "nn.DataParallel replicates a module across CUDA devices inside one process; no CUDA device here"}
+    outcomes = launch.run_once(1, workers.dp_process, args, timeout=args["mode_timeout"], threads=args["threads"])
+    if outcomes[0].status != "ok":
+        return _failed("dp", outcomes, args["mode_timeout"])
+    return outcomes[0].result
+
+
+def run_mode(mode: str, world: int, args: dict) -> dict:
+    device = args["device"]
+    if mode == "dp":
+        return run_dp_mode(args)
+    if mode in ("ddp", "ddp:noop") or (mode.startswith("ddp:") and mode[4:] in algorithms.for_device(device)):
+        return run_ddp_mode(mode, world, args)
+    return {"mode": mode, "status": "unavailable",
+            "reason": f"no such mode for {device} (modes: {', '.join(all_modes(device))})"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m commlab.compare", description=__doc__,
+                                 epilog="Metric definitions:\n" + report.DEFINITIONS,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--world-size", type=int, default=None, help="DDP ranks (default: 4 on CPU, every GPU on CUDA)")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs for dp and ddp (default: all)")
+    ap.add_argument("--modes", default=None, help="comma list, or all (default: dp, ddp, ddp:ring, ddp:ps, ddp:shm, ddp:noop)")
+    ap.add_argument("--model", default=None, help="mlp | transformer | any torchvision model (default: mlp on CPU, resnet50 on GPU)")
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=64, help="global batch")
+    ap.add_argument("--bucket-cap-mb", default="25",
+                    help="DDP bucket size in MB; a comma list (1,5,25,100) sweeps it for every communicating DDP mode")
+    ap.add_argument("--amp", choices=["fp16", "bf16"], default=None)
+    ap.add_argument("--checkpoint", action="store_true", help="gradient checkpointing (activations recomputed in backward)")
+    ap.add_argument("--accum-steps", type=int, default=1, help="gradient accumulation with no_sync()")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--timeout", type=float, default=120.0, help="process-group timeout (s)")
+    ap.add_argument("--mode-timeout", type=float, default=300.0, help="wall-clock limit per mode (s)")
+    ap.add_argument("--find-max-batch", action="store_true",
+                    help="per mode, the largest global batch that trains without running out of memory (doubling, "
+                         "then bisection; short runs)")
+    ap.add_argument("--max-batch-limit", type=int, default=1 << 14, help="stop --find-max-batch searching here")
+    ap.add_argument("--mem-limit-mb", type=float, default=None,
+                    help="memory per device as if the card had this much (GPU: allocator cap, real OOM; "
+                         "CPU: emulated on what training adds to each rank's peak RSS)")
+    ap.add_argument("--share-gpu", action="store_true", help="several DDP processes on one GPU over gloo (functional check)")
+    ap.add_argument("--json"), ap.add_argument("--plot")
+    a = ap.parse_args(argv)
+    args = vars(a)
+    try:
+        caps = [float(c) for c in str(a.bucket_cap_mb).split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--bucket-cap-mb takes numbers, comma-separated for a sweep: {a.bucket_cap_mb!r}")
+    if not caps or min(caps) <= 0:
+        ap.error("--bucket-cap-mb must be positive")
+    args["bucket_cap_mb"] = caps[0]
+    if a.model is None:
+        args["model"] = "resnet50" if a.device == "cuda" else "mlp"
+    world = a.world_size or (4 if a.device == "cpu" else (a.gpus or torch.cuda.device_count()))
+    if a.device == "cuda" and not a.share_gpu:
+        problem = check_gpus_per_rank(world, "nccl", torch.cuda.device_count())
+        if problem:
+            ap.error(problem + " (or pass --share-gpu for a functional check over gloo)")
+    modes = all_modes(a.device) if a.modes == "all" else (a.modes.split(",") if a.modes else default_modes(a.device))
+    env = envinfo.collect(torch.device("cpu"))
+    env.update(world_size=world, device=a.device, model=args["model"], batch_size=a.batch_size,
+               bucket_cap_mb=caps if len(caps) > 1 else caps[0], mem_limit_mb=a.mem_limit_mb, amp=a.amp,
+               checkpoint=a.checkpoint, accum_steps=a.accum_steps, share_gpu=a.share_gpu)
+    if a.share_gpu:
+        env["note"] = "--share-gpu: all DDP ranks on one GPU over gloo, a functional check, not a speed figure"
+    results = []
+    for mode in modes:
+        # bucket_cap_mb shapes DDP's gradient buckets: swept for the modes that communicate.
+        for cap in (caps if _is_ddp(mode) and mode != "ddp:noop" else caps[:1]):
+            margs = dict(args, bucket_cap_mb=cap)
+            label = f"{mode} @{cap:g}MB" if len(caps) > 1 and _is_ddp(mode) and mode != "ddp:noop" else mode
+            print(f"# running {label} ...", file=sys.stderr, flush=True)
+            res = run_mode(mode, world, margs)
+            if _is_ddp(mode):
+                res["bucket_cap_mb"] = cap
+            if label != mode:
+                res["label"] = label
+            if a.find_max_batch and res["status"] in ("ok", "oom"):
+                res["max_batch"], res["max_batch_probes"] = search.find_max_batch(mode, world, margs, run_mode)
+            results.append(res)
+    doc = {"env": env, "modes": results}
+    print("\n".join(envinfo.header_lines(env)))
+    print()
+    print(report.table(doc))
+    print("\nDefinitions:\n" + report.DEFINITIONS.rstrip())
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=2)
+    if a.plot:
+        from commlab.measure.plots import plot_compare
+
+        plot_compare(doc, a.plot)
+    return 0 if any(m["status"] == "ok" for m in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

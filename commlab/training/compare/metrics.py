@@ -1,0 +1,77 @@
+"""What compare samples and how: GPU busy through NVML, DataParallel's communication
+time from one profiled iteration, and a smaller card emulated by an allocator cap."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+class NvmlSampler:
+    """GPU utilization sampled at 20 Hz through nvidia-ml-py (empty list without it)."""
+
+    def __init__(self, devices):
+        self.devices, self.samples, self._stop = devices, {d: [] for d in devices}, None
+
+    def start(self):
+        import threading
+
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(d) for d in self.devices]
+        except Exception:  # noqa: BLE001 - optional dependency
+            return
+        self._stop = threading.Event()
+
+        def loop():
+            while not self._stop.is_set():
+                for d, h in zip(self.devices, handles):
+                    self.samples[d].append(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+                time.sleep(0.05)
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def stop(self):
+        if self._stop is None:
+            return []
+        self._stop.set()
+        self._thread.join(1)
+        return [statistics.mean(self.samples[d]) if self.samples[d] else 0.0 for d in self.devices]
+
+
+def profiled_comm_ms(step) -> float:
+    """One extra iteration under torch.profiler: the busiest device's time in NCCL
+    kernels and peer-to-peer copies, i.e. DataParallel's replicate (parameter
+    broadcast), reduce-add (gradients to GPU 0), scatter and gather."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return comm_time_ms(prof.events())
+
+
+def comm_time_ms(events) -> float:
+    """Per device, the summed duration of communication kernels and copies (NCCL
+    kernels, "Memcpy PtoP"); the largest per-device sum, in ms."""
+    from torch.autograd import DeviceType
+
+    per_device: dict[int, float] = {}
+    for e in events:
+        if e.device_type != DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        if "nccl" in name or "ptop" in name:
+            per_device[e.device_index] = per_device.get(e.device_index, 0.0) + e.time_range.elapsed_us()
+    return max(per_device.values(), default=0.0) / 1e3
+
+
+def cap_gpu_memory(device, limit_mb: float) -> None:
+    """Make this process's caching allocator behave like a card of limit_mb (the seed's
+    24 GB RTX 4090 on a bigger GPU): allocations beyond it raise OutOfMemoryError."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_mb * 2**20 / total), device)

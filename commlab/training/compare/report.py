@@ -1,0 +1,74 @@
+"""The seed's table: one row per metric, one column per mode, with the definitions."""
+from __future__ import annotations
+
+from commlab.measure.timing import percentile
+
+# Printed with the table (a constant, not the docstring: python -OO strips docstrings).
+DEFINITIONS = """\
+  iteration    wall time of one optimizer step (incl. accumulation micro-steps) of the
+               slowest rank; median and p90 after warm-up
+  throughput   global batch / median iteration
+  peak memory  CPU: peak RSS per rank (getrusage: the true peak, inside a step too);
+               GPU: max_memory_allocated per device after warm-up
+  utilization  one metric per device type, the same for every mode: CPU: process CPU
+               time / wall time per rank (100 % = one core); GPU: NVML's GPU-busy
+               percentage per device, sampled at 20 Hz during the timed iterations
+               (needs nvidia-ml-py; '-' without it)
+  grad sync    DDP: from the hook statistics, per iteration: total = sum of bucket
+               all-reduce times, exposed = end of backward compute to the last bucket's
+               completion (the part that is not hidden behind backward). DP: one extra
+               iteration under torch.profiler, the busiest GPU's time in NCCL kernels
+               and peer copies (replicate, gradient reduce-add, scatter, gather); all
+               of it exposed, as DP communicates on the compute stream
+  final loss   mean over ranks of the last step's loss
+"""
+
+UTILIZATION_ROW = {"cpu": "utilization (%): CPU time / wall, per rank",
+                   "cuda": "utilization (%): NVML GPU busy, per device"}
+
+
+
+def iteration_summary(times_s: list[float]) -> dict:
+    """Median and p90 of iteration times in ms (the measure.timing percentile)."""
+    ordered = sorted(times_s)
+    return {"median": percentile(ordered, 0.5) * 1e3, "p90": percentile(ordered, 0.9) * 1e3}
+
+
+def fmt_list(vals, fmt="{:.0f}"):
+    if not vals or any(v is None for v in vals):
+        return "-"
+    if len(set(round(v) for v in vals)) == 1:
+        return fmt.format(vals[0]) + f" (x{len(vals)})"
+    return "/".join(fmt.format(v) for v in vals)
+
+
+def table(doc: dict) -> str:
+    modes = doc["modes"]
+    ok = [m for m in modes if m["status"] == "ok"]
+    base = next((m for m in ok if m["mode"] == "dp"), next((m for m in ok if m["mode"] == "ddp"), None))
+    cols = [m.get("label", m["mode"]) for m in modes]
+    rows = []
+
+    def row(name, f):
+        cells = []
+        for m in modes:
+            cells.append(f(m) if m["status"] == "ok" else m["status"])
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+
+    row("iteration median (ms)", lambda m: f"{m['iter_ms']['median']:.1f}")
+    row("iteration p90 (ms)", lambda m: f"{m['iter_ms']['p90']:.1f}")
+    row("throughput (samples/s)", lambda m: f"{m['samples_per_s']:.1f}")
+    if base is not None:
+        row(f"speed vs {base['mode']}", lambda m: f"{base['iter_ms']['median'] / m['iter_ms']['median']:.2f}x")
+    row("peak memory (MB) per rank/device", lambda m: fmt_list(m["peak_memory_mb"]))
+    row(UTILIZATION_ROW[doc["env"].get("device", "cpu")], lambda m: fmt_list(m["util_percent"]))
+    row("grad sync total (ms)", lambda m: "-" if m["grad_sync_ms"]["total"] is None else f"{m['grad_sync_ms']['total']:.1f}")
+    row("grad sync exposed (ms)", lambda m: "-" if m["grad_sync_ms"]["exposed"] is None else f"{m['grad_sync_ms']['exposed']:.1f}")
+    row("final loss", lambda m: f"{m['final_loss']:.5f}")
+    if any("max_batch" in m for m in modes):
+        rows.append("| max batch before OOM | " + " | ".join(
+            "-" if "max_batch" not in m else (str(m["max_batch"]) if m["max_batch"] else "none found")
+            for m in modes) + " |")
+    head = "| metric | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols)
+    notes = [f"- {m.get('label', m['mode'])}: {m['status']}: {m['reason']}" for m in modes if m["status"] != "ok"]
+    return "\n".join([head] + rows + ([""] + notes if notes else []))

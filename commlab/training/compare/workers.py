@@ -1,0 +1,201 @@
+"""The processes of a compare mode: one DDP rank (its own process group, the mode's hook,
+timed training steps) and the DataParallel process. Both return plain data."""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import resource
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from commlab.training import hooks, workloads
+from commlab.training.compare import metrics, report
+
+
+def timed_default_hook(stats, bucket):
+    """DDP's default reduction (divide by the world size, dist.all_reduce on DDP's group),
+    with each bucket timed in a hooks.BucketStats: the `ddp` mode."""
+    buf = bucket.buffer()
+    t0 = time.perf_counter()
+    it = stats.begin(bucket)
+    buf.div_(dist.get_world_size())
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+
+    def done(f):
+        stats.finish(it, bucket.index(), buf.numel() * buf.element_size(), t0, time.perf_counter())
+        return f.value()[0]
+
+    return fut.then(done)
+
+
+def optimizer_step(opt, scaler) -> None:
+    """One optimizer step, through the GradScaler when fp16 AMP uses one."""
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+
+
+def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
+    """One DDP rank of a mode (run by the launcher in fresh processes); returns its measurements."""
+    cuda = args["device"] == "cuda"
+    device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    backend = "nccl" if cuda and not args["share_gpu"] else "gloo"
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args["timeout"]))
+    if cuda and args["mem_limit_mb"]:
+        metrics.cap_gpu_memory(device, args["mem_limit_mb"])
+    rss_before_model = psutil.Process().memory_info().rss
+    torch.manual_seed(0)
+    wl = workloads.build(args["model"], width=args["width"], depth=args["depth"])
+    model = wl.model.to(device)
+    if args["checkpoint"]:
+        # Inside the module DDP wraps: calling the inner module directly would bypass
+        # DDP's forward, and with it the gradient synchronisation.
+        model = workloads.Checkpointed(model)
+    ddp = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=args["bucket_cap_mb"])
+    if mode == "ddp":
+        state = hooks.BucketStats()
+        ddp.register_comm_hook(state, timed_default_hook)
+    elif mode == "ddp:noop":
+        state = None
+        ddp.register_comm_hook(None, hooks.noop_hook)
+    else:
+        state = hooks.CommState(mode.split(":", 1)[1])
+        hooks.register(ddp, state)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args["lr"])
+    per_rank = max(args["batch_size"] // world, 1)
+    accum = args["accum_steps"]
+    micro = max(per_rank // accum, 1)
+    scaler = torch.amp.GradScaler(device.type) if args["amp"] == "fp16" else None
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args["amp"])
+    proc = psutil.Process()
+
+    def forward_loss(x, y):
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            return wl.loss(ddp(x).float(), y)
+
+    def step(i):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for k in range(accum):
+            x, y = wl.make_batch(micro, seed=(i * accum + k) * 1000 + rank)
+            x, y = x.to(device), y.to(device)
+            ctx = ddp.no_sync() if k < accum - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = forward_loss(x, y) / accum
+                (scaler.scale(loss) if scaler else loss).backward()
+            total += float(loss.detach())
+        optimizer_step(opt, scaler)
+        if cuda:
+            torch.cuda.synchronize()
+        return total
+
+    for i in range(args["warmup"]):
+        step(i)
+    if isinstance(state, hooks.BucketStats):
+        state.reset()
+    elif state is not None:
+        state.reset_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    sampler = metrics.NvmlSampler([device.index]) if cuda else None  # one metric per device type, as DP's
+    if sampler is not None:
+        sampler.start()
+    cpu0, wall0 = sum(proc.cpu_times()[:2]), time.perf_counter()
+    loss = 0.0
+    for i in range(args["warmup"], args["warmup"] + args["iters"]):
+        t0 = time.perf_counter()
+        loss = step(i)
+        times.append(time.perf_counter() - t0)
+    if sampler is not None:
+        util = (sampler.stop() or [None])[0]
+    else:
+        util = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - wall0) * 100
+    slowest = torch.tensor(times, dtype=torch.float64)
+    mean_loss = torch.tensor([loss], dtype=torch.float64)
+    if cuda and backend == "nccl":
+        slowest, mean_loss = slowest.to(device), mean_loss.to(device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(mean_loss)
+    st = state.stats() if state is not None else {"mean_total_comm_ms": 0.0, "mean_exposed_ms": 0.0}
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; the true peak, mid-step too
+    mem = (torch.cuda.max_memory_allocated(device) if cuda else peak_rss) / 2**20
+    if not cuda and args["mem_limit_mb"]:
+        # CPU has no allocator limit: emulate one on what training added to the process,
+        # agreed across ranks so they all stop together.
+        over = torch.tensor([(peak_rss - rss_before_model) / 2**20], dtype=torch.float64)
+        dist.all_reduce(over, op=dist.ReduceOp.MAX)
+        if over.item() > args["mem_limit_mb"]:
+            raise torch.OutOfMemoryError(f"emulated: a rank's training memory peaked at {over.item():.0f} MB, above "
+                                         f"--mem-limit-mb {args['mem_limit_mb']:g}")
+    if isinstance(state, hooks.CommState):
+        state.close()
+    return {"times": slowest.cpu().tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": mem,
+            "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"]}
+
+
+def dp_process(rank: int, world: int, args: dict) -> dict:
+    """nn.DataParallel over the GPUs, in one fresh process; returns the mode's row."""
+    gpus = args["gpus"] or torch.cuda.device_count()
+    devices = list(range(gpus))
+    if args["mem_limit_mb"]:
+        for d in devices:
+            metrics.cap_gpu_memory(torch.device("cuda", d), args["mem_limit_mb"])
+    torch.manual_seed(0)
+    wl = workloads.build(args["model"], width=args["width"], depth=args["depth"])
+    inner = workloads.Checkpointed(wl.model) if args["checkpoint"] else wl.model
+    model = torch.nn.DataParallel(inner.cuda(0), device_ids=devices)
+    opt = torch.optim.SGD(model.parameters(), lr=args["lr"])
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args["amp"])
+    scaler = torch.amp.GradScaler("cuda") if args["amp"] == "fp16" else None
+    sampler = metrics.NvmlSampler(devices)
+
+    def step(i):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for k in range(args["accum_steps"]):
+            # The same global data as the DDP ranks see, concatenated in rank order.
+            parts = [wl.make_batch(max(args["batch_size"] // gpus // args["accum_steps"], 1),
+                                   seed=(i * args["accum_steps"] + k) * 1000 + r) for r in range(gpus)]
+            x = torch.cat([a for a, _ in parts]).cuda(0)
+            y = torch.cat([b for _, b in parts]).cuda(0)
+            with torch.autocast("cuda", dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = wl.loss(model(x).float(), y) / args["accum_steps"]
+            (scaler.scale(loss) if scaler else loss).backward()
+            total += float(loss.detach())
+        optimizer_step(opt, scaler)
+        torch.cuda.synchronize()
+        return total
+
+    for i in range(args["warmup"]):
+        step(i)
+    for d in devices:
+        torch.cuda.reset_peak_memory_stats(d)
+    sampler.start()
+    times, loss = [], 0.0
+    for i in range(args["warmup"], args["warmup"] + args["iters"]):
+        t0 = time.perf_counter()
+        loss = step(i)
+        times.append(time.perf_counter() - t0)
+    util = sampler.stop()
+    sync_ms = metrics.profiled_comm_ms(lambda: step(args["warmup"] + args["iters"]))
+    iters = report.iteration_summary(times)
+    return {
+        "mode": "dp", "status": "ok", "reason": "",
+        "iter_ms": iters,
+        "samples_per_s": args["batch_size"] / (iters["median"] / 1e3),
+        "peak_memory_mb": [torch.cuda.max_memory_allocated(d) / 2**20 for d in devices],
+        "util_percent": util,
+        # DataParallel communicates on the compute streams: nothing hides it.
+        "grad_sync_ms": {"total": sync_ms, "exposed": sync_ms},
+        "final_loss": loss,
+    }

@@ -1,0 +1,105 @@
+"""What the one-host transports (shm, ipc) share in setting a group up: the identity of
+a host, gathering facts and agreeing on a step so that every rank raises the same
+error, the per-group entry that remembers a failure, and the mapping of the
+extension's failures onto commlab's exceptions."""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import threading
+
+import torch.distributed as dist
+
+from commlab.core import ext
+from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError
+from commlab.core.groups import GroupInfo
+
+
+def host_id() -> str:
+    """Ranks can share memory only with the same kernel, mount and network namespace
+    (separate network namespaces are how tests emulate separate hosts)."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        pass
+    for ns in ("mnt", "net"):
+        try:
+            parts.append(f"{ns}:{os.stat(f'/proc/self/ns/{ns}').st_ino}")
+        except OSError:
+            pass
+    return "/".join(parts)
+
+
+class Entry:
+    """A group's transport state (the CUDA IPC transport extends it). `failure` is the
+    error that made it unusable (setup refused or failed, or a call failed): every later
+    call raises it again, the same on every rank, instead of meeting a half-made state."""
+
+    def __init__(self):
+        self.comm = None
+        self.failure: CommlabError | None = None
+        self.lock = threading.Lock()
+
+    def fail(self, error: CommlabError) -> CommlabError:
+        self.failure = error
+        return error
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise copy.copy(self.failure)  # a fresh instance each time, same type and text
+
+    def close(self) -> None:
+        with self.lock:
+            if self.comm is not None:
+                self.comm.close()
+                self.comm = None
+
+
+def gather(info: GroupInfo, value, transport: str = "shm", what: str = "setup") -> list:
+    out = [None] * info.size
+    try:
+        dist.all_gather_object(out, value, group=info.group)
+    except RuntimeError as e:  # a peer died or left during setup
+        raise PeerError(f"commlab[{transport}]: {what}: exchanging setup facts failed (a peer died or left?): {e}",
+                        algorithm=transport, peer=None) from None
+    return out
+
+
+def agree(info: GroupInfo, what: str, step, transport: str = "shm") -> None:
+    """Run step() on every rank; if it failed anywhere, raise the same error everywhere."""
+    try:
+        step()
+        mine = None
+    except Exception as e:  # noqa: BLE001 - reported to every rank below
+        mine = str(e)
+    errors = gather(info, mine, transport, what)
+    failed = {info.global_rank(r): e for r, e in enumerate(errors) if e is not None}
+    if failed:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+        raise CommlabError(f"commlab[{transport}]: {what} failed on rank(s) {sorted(failed)}: {detail}")
+
+
+def differing(info: GroupInfo, facts: list[dict], knobs: dict[str, str]) -> str | None:
+    """Which per-rank settings differ across the group, for an error every rank raises."""
+    diffs = []
+    for env, key in knobs.items():
+        values = [f[key] for f in facts]
+        if len(set(values)) > 1:
+            diffs.append(f"{env}: " + ", ".join(f"rank {info.global_rank(r)} {v}" for r, v in enumerate(values)))
+    return "; ".join(diffs) or None
+
+
+def translate(error: BaseException, algorithm: str, failed_peer: int) -> CommlabError | None:
+    """The commlab error for a transport's failure (None: not ours, e.g. KeyboardInterrupt)."""
+    C = ext.C
+    msg = f"commlab[{algorithm}]: {error}"
+    if isinstance(error, C.MismatchError):
+        return CollectiveMismatchError(msg)
+    if isinstance(error, C.PeerLostError):
+        return PeerError(msg, algorithm=algorithm, peer=failed_peer if failed_peer >= 0 else None)
+    if isinstance(error, RuntimeError):
+        return CommlabError(msg)
+    return None

@@ -1,0 +1,155 @@
+"""Shared-memory communicators (commlab._C.ShmComm), one per process group, set up on
+first use and cached.
+
+Setup is itself collective and agreed: host ids are gathered (a group spanning hosts
+is refused identically on every rank), rank 0 draws a 128-bit token that names the
+segments, every rank creates its own segment, all ranks report success before anyone
+attaches, and every segment is unlinked as soon as all ranks mapped it, so a crash
+afterwards leaves nothing in /dev/shm.
+"""
+from __future__ import annotations
+
+import atexit
+import enum
+import os
+
+import torch
+import torch.distributed as dist
+
+from commlab.core import ext, groups
+from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError, UnsupportedError
+from commlab.core.groups import GroupInfo
+from commlab.transports.setup import Entry, agree, differing, gather, host_id, translate
+
+# The defaults below were chosen by measurement: docs/measurements.md#shared-memory-defaults
+# has the runs and the commands that reproduce them.
+
+# Bytes per data buffer (each rank's segment holds two, by piece parity); larger tensors
+# go in pieces. 1 MiB: a piece every rank copied in stays in cache for the reduction.
+CAPACITY = int(os.environ.get("COMMLAB_SHM_CAPACITY", str(1 << 20)))
+# Up to this many bytes every rank reduces everything (one synchronisation); above,
+# two-shot (two synchronisations, p times less reading) was faster from 16 KiB on.
+ONESHOT_MAX = int(os.environ.get("COMMLAB_SHM_ONESHOT_MAX", str(8 << 10)))
+# Pause-loop iterations before a waiter yields, only when every rank has a core: with
+# more ranks than cores the awaited peer needs this very core.
+SPIN = 256
+# Microseconds a waiter yields before it sleeps on the futex, again only when every rank
+# has a core; with more ranks than cores a waiter sleeps at once (a yield window that
+# ends in a sleep was the worst of both).
+YIELD_US = 2000
+
+class Mode(enum.IntEnum):
+    """csrc/common/codes.h's ShmMode."""
+
+    AUTO = 0
+    ONESHOT = 1
+    TWOSHOT = 2
+    ROOT = 3
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value else default
+
+
+_entries = groups.PerGroup(lambda g: Entry(), release=Entry.close)  # freed with the group
+
+
+def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
+    C = ext.require()
+    facts = gather(info, {"host": host_id(), "cpus": sorted(os.sched_getaffinity(0)), "capacity": CAPACITY,
+                          "oneshot_max": ONESHOT_MAX})
+    hosts = [f["host"] for f in facts]
+    cores = len(set().union(*(set(f["cpus"]) for f in facts)))
+    if len(set(hosts)) > 1:
+        by_host: dict[str, list[int]] = {}
+        for r, h in enumerate(hosts):
+            by_host.setdefault(h.split("/")[0] + ("" if h == hosts[0] else f" ({h.split('/', 1)[-1][-20:]})"), []).append(
+                info.global_rank(r))
+        raise entry.fail(UnsupportedError(
+            f"commlab[{algorithm}]: the group spans more than one host, shared memory cannot serve it: "
+            + ", ".join(f"{h}: ranks {rs}" for h, rs in by_host.items())))
+    # Ranks configured differently would pair pieces of different sizes or modes.
+    diff = differing(info, facts, {"COMMLAB_SHM_CAPACITY": "capacity", "COMMLAB_SHM_ONESHOT_MAX": "oneshot_max"})
+    if diff:
+        raise entry.fail(CollectiveMismatchError(f"commlab[{algorithm}]: ranks configured shared memory differently: "
+                                                 f"{diff}"))
+    # An object broadcast works on any backend: the CUDA IPC transport's host-staged
+    # path sets shared memory up over NCCL groups too.
+    token = [os.urandom(16).hex() if info.rank == 0 else None]
+    try:
+        dist.broadcast_object_list(token, src=info.global_rank(0), group=info.group)
+    except RuntimeError as e:
+        raise entry.fail(PeerError(f"commlab[{algorithm}]: setup: agreeing on a segment name failed: {e}",
+                                   algorithm=algorithm, peer=None)) from None
+    token_hex = token[0]
+    timeout_ms = int(info.timeout.total_seconds() * 1000)
+    made = {}
+
+    def create():
+        made["comm"] = C.ShmComm(token_hex, info.rank, info.size, CAPACITY, timeout_ms, list(info.global_ranks))
+
+    try:
+        agree(info, "creating shared-memory segments", create)
+        comm = made["comm"]
+        # The one place the waiting and mode knobs are decided (the C++ side reads none).
+        own_cores = info.size <= cores
+        comm.oneshot_max = ONESHOT_MAX
+        comm.spin = _env_int("COMMLAB_SHM_SPIN", SPIN if own_cores else 0)
+        comm.yield_us = _env_int("COMMLAB_SHM_YIELD_US", YIELD_US if own_cores else 0)
+        agree(info, "attaching peer segments", comm.attach)
+    except CommlabError as e:
+        # A rank may have died between creating its segment and the unlink below: every
+        # survivor knows the token, so every name of the group goes.
+        C.ShmComm.unlink_names(token_hex, info.size)
+        if "comm" in made:
+            made["comm"].close()
+        raise entry.fail(e)
+    finally:
+        # Either every rank mapped every segment, or setup failed: the names go now.
+        if "comm" in made:
+            made["comm"].unlink_own()
+    entry.comm = comm
+
+
+def unsupported(info: GroupInfo) -> str | None:
+    backend = str(dist.get_backend(info.group))
+    if "gloo" not in backend and "mpi" not in backend:
+        return f"setup needs a CPU-capable backend (gloo) on the group, it has {backend}"
+    return None
+
+
+def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm: str) -> None:
+    entry = _entries.get(info.group)
+    with entry.lock:
+        comm = entry.comm
+        if comm is None:
+            comm = _ready(entry, info, algorithm)
+        try:
+            comm.allreduce(buf, op, mode)
+        except BaseException as e:
+            # A failed call leaves peers at unknown phases: the communicator is done (its
+            # peers read our abort mark from their own mappings of our segment).
+            entry.comm = None
+            error = translate(e, algorithm, comm.failed_peer)
+            entry.fail(CommlabError(f"commlab[{algorithm}]: this group's shared memory is unusable after: "
+                                    f"{error if error is not None else repr(e)}"))
+            comm.close()
+            if error is None:
+                raise  # KeyboardInterrupt and friends, as raised
+            raise error from None
+
+
+def _ready(entry: Entry, info: GroupInfo, algorithm: str):
+    """The group's communicator, set up on first use; raises if it cannot be had."""
+    entry.raise_failure()
+    _setup(entry, info, algorithm)
+    return entry.comm
+
+
+def release(group=None) -> None:
+    """Unmap the shared memory of `group` (default: all groups)."""
+    _entries.free(group)
+
+
+atexit.register(release)

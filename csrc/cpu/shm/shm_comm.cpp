@@ -1,0 +1,630 @@
+#include "shm_comm.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "../../common/errors.h"
+#include "../../common/fork.h"
+#include "../reduce/reduce_n.h"
+
+namespace commlab {
+namespace {
+
+constexpr uint64_t kMagic = 0x31424c4d4d4f43ull;  // "COMMLB1"
+constexpr uint32_t kVersion = 2;
+constexpr int64_t kDataOffset = 4096;
+constexpr int kReasonBytes = 1024;
+constexpr int64_t kSliceMs = 50;     // longest futex sleep: bounds how late a signal or a death is seen
+constexpr int64_t kLivenessMs = 100;  // how often a sleeping waiter probes the awaited peer
+
+struct alignas(64) Header {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t world;
+  uint32_t rank;
+  uint32_t uid;
+  uint64_t capacity;
+  int64_t pid;
+  char token[33];
+};
+
+struct alignas(64) SeqLine {
+  std::atomic<uint64_t> seq;
+};
+
+struct alignas(64) WakeLine {
+  std::atomic<uint32_t> word;     // bumped on every publish and abort; futex waits on it
+  std::atomic<uint32_t> waiters;  // publishers skip the wake syscall when zero
+};
+
+// The whole call a piece belongs to, by piece parity: peers compare it before reading,
+// so a piece never pairs with a piece of another call.
+struct alignas(64) CallInfo {
+  uint64_t piece_seq;
+  uint64_t call;
+  int64_t total;  // bytes of the whole call
+  int64_t index;  // piece index within the call
+  int64_t nbytes;
+  int32_t dtype;
+  int32_t op;
+  int32_t mode;
+};
+
+// Why a rank gave up, set once: kind << 32 | (global rank of the cause + 1). The reason
+// text is written before the word is published, so a reader that sees the word reads it.
+enum AbortKind : uint32_t { kTimeout = 1, kDead = 2, kMismatch = 3, kInterrupted = 4, kError = 5 };
+struct alignas(64) AbortLine {
+  std::atomic<uint32_t> claimed;
+  std::atomic<uint64_t> word;
+  char reason[kReasonBytes];
+};
+
+struct Layout {
+  Header header;
+  SeqLine seq;
+  WakeLine wake;
+  AbortLine abort;
+  CallInfo info[2];
+};
+static_assert(sizeof(Layout) <= kDataOffset, "control block must fit before the data");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics in shared memory");
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const struct timespec* ts) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
+}
+
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Python runs signal handlers on the main thread only (its tid is the pid on Linux).
+bool on_main_thread() {
+  thread_local const bool main = syscall(SYS_gettid) == getpid();
+  return main;
+}
+
+std::string errno_text(const std::string& what) {
+  return what + ": " + std::strerror(errno);
+}
+
+const char* op_name(int op) {
+  static const char* names[] = {"SUM", "PRODUCT", "MIN", "MAX"};
+  return op >= 0 && op < 4 ? names[op] : "?";
+}
+
+const char* mode_name(int mode) {
+  static const char* names[] = {"auto", "one-shot", "two-shot", "root"};
+  return mode >= 0 && mode < 4 ? names[mode] : "?";
+}
+
+}  // namespace
+
+// A segment stays open as well as mapped: the owner holds an exclusive flock on it for
+// its lifetime and peers probe that lock to learn whether the owner is gone. Unlike a
+// pid, a lock means the same in every PID namespace and cannot be reused.
+struct ShmComm::Segment {
+  std::string name;
+  void* base = nullptr;
+  size_t size = 0;
+  int fd = -1;
+  Layout* ctl() const { return static_cast<Layout*>(base); }
+  char* data(int parity, int64_t capacity) const {
+    return static_cast<char*>(base) + kDataOffset + parity * capacity;
+  }
+};
+
+std::string ShmComm::segment_name(int64_t rank) const {
+  return "/commlab-" + token_ + "-" + std::to_string(rank);
+}
+
+int64_t ShmComm::unlink_names(const std::string& token_hex, int64_t world) {
+  TORCH_CHECK(token_hex.size() == 32, "commlab shm: token must be 32 hex characters");
+  int64_t removed = 0;
+  for (int64_t r = 0; r < world; ++r) {
+    const std::string name = "/commlab-" + token_hex + "-" + std::to_string(r);
+    if (shm_unlink(name.c_str()) == 0) ++removed;
+  }
+  return removed;
+}
+
+ShmComm::ShmComm(const std::string& token_hex, int64_t rank, int64_t world, int64_t capacity,
+                 int64_t timeout_ms, std::vector<int64_t> global_ranks)
+    : token_(token_hex),
+      rank_(static_cast<int>(rank)),
+      world_(static_cast<int>(world)),
+      capacity_(capacity),
+      timeout_ms_(timeout_ms),
+      // Conservative until commlab/shm.py sets the tuned values (and their knobs) per group.
+      oneshot_max_(0),
+      spin_(0),
+      yield_us_(0),
+      fork_generation_(fork_generation()),
+      global_ranks_(std::move(global_ranks)) {
+  TORCH_CHECK(token_.size() == 32, "commlab shm: token must be 32 hex characters");
+  TORCH_CHECK(world_ >= 1 && rank_ >= 0 && rank_ < world_, "commlab shm: bad rank/world");
+  TORCH_CHECK(capacity_ >= 4096 && capacity_ % 64 == 0, "commlab shm: capacity must be a multiple of 64, >= 4096");
+  TORCH_CHECK(static_cast<int>(global_ranks_.size()) == world_, "commlab shm: need one global rank per rank");
+  segs_.assign(world_, nullptr);
+  ptrs_.assign(world_, nullptr);
+
+  auto* own = new Segment();
+  own->name = segment_name(rank_);
+  own->size = static_cast<size_t>(kDataOffset + 2 * capacity_);
+  int fd = shm_open(own->name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    const std::string msg = errno_text("commlab shm: cannot create " + own->name);
+    delete own;
+    throw std::runtime_error(msg);
+  }
+  // Reserve the pages now: a full /dev/shm fails here with a message, not with SIGBUS
+  // in the middle of a collective.
+  int rc = ftruncate(fd, static_cast<off_t>(own->size));
+  if (rc == 0) rc = posix_fallocate(fd, 0, static_cast<off_t>(own->size));
+  if (rc != 0) {
+    int err = rc > 0 ? rc : errno;
+    ::close(fd);
+    shm_unlink(own->name.c_str());
+    delete own;
+    std::ostringstream msg;
+    msg << "commlab shm: cannot reserve " << (kDataOffset + 2 * capacity_) << " bytes in /dev/shm ("
+        << std::strerror(err) << "); free space there or lower COMMLAB_SHM_CAPACITY";
+    throw std::runtime_error(msg.str());
+  }
+  own->base = mmap(nullptr, own->size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (own->base == MAP_FAILED || flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const std::string msg = errno_text(own->base == MAP_FAILED ? "commlab shm: mmap of own segment failed"
+                                                               : "commlab shm: cannot lock own segment");
+    if (own->base != MAP_FAILED) munmap(own->base, own->size);
+    ::close(fd);
+    shm_unlink(own->name.c_str());
+    delete own;
+    throw std::runtime_error(msg);
+  }
+  own->fd = fd;
+  Layout* l = own->ctl();
+  l->seq.seq.store(0);
+  l->wake.word.store(0);
+  l->wake.waiters.store(0);
+  l->abort.claimed.store(0);
+  l->abort.word.store(0);
+  std::memset(l->abort.reason, 0, sizeof(l->abort.reason));
+  std::memset(l->info, 0, sizeof(l->info));
+  Header& h = l->header;
+  h.version = kVersion;
+  h.world = static_cast<uint32_t>(world_);
+  h.rank = static_cast<uint32_t>(rank_);
+  h.uid = static_cast<uint32_t>(geteuid());
+  h.capacity = static_cast<uint64_t>(capacity_);
+  h.pid = static_cast<int64_t>(getpid());
+  std::memcpy(h.token, token_.c_str(), 33);
+  // The magic goes last: a reader that sees it sees a complete header.
+  std::atomic_thread_fence(std::memory_order_release);
+  reinterpret_cast<std::atomic<uint64_t>*>(&h.magic)->store(kMagic, std::memory_order_release);
+  segs_[rank_] = own;
+}
+
+void ShmComm::attach() {
+  for (int j = 0; j < world_; ++j) {
+    if (segs_[j]) continue;
+    auto* s = new Segment();
+    s->name = segment_name(j);
+    s->size = static_cast<size_t>(kDataOffset + 2 * capacity_);
+    int fd = shm_open(s->name.c_str(), O_RDWR | O_CLOEXEC, 0);
+    if (fd < 0) {
+      std::string msg = errno_text("commlab shm: cannot open rank " + std::to_string(global_ranks_[j]) +
+                                   "'s segment " + s->name);
+      delete s;
+      throw std::runtime_error(msg);
+    }
+    struct stat st;
+    std::string bad;
+    if (fstat(fd, &st) != 0) bad = errno_text("fstat");
+    else if (st.st_uid != geteuid()) bad = "owned by another user";
+    else if ((st.st_mode & 0777) != 0600) bad = "mode is not 0600";
+    else if (static_cast<size_t>(st.st_size) != s->size) bad = "unexpected size " + std::to_string(st.st_size);
+    if (bad.empty()) {
+      s->base = mmap(nullptr, s->size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+      if (s->base == MAP_FAILED) {
+        s->base = nullptr;
+        bad = errno_text("mmap");
+      }
+    }
+    if (bad.empty()) {
+      const Header& h = s->ctl()->header;
+      const uint64_t magic = reinterpret_cast<const std::atomic<uint64_t>*>(&h.magic)->load(std::memory_order_acquire);
+      if (magic != kMagic) bad = "bad magic";
+      else if (h.version != kVersion) bad = "version " + std::to_string(h.version);
+      else if (h.world != static_cast<uint32_t>(world_) || h.rank != static_cast<uint32_t>(j)) bad = "rank/world mismatch";
+      else if (h.capacity != static_cast<uint64_t>(capacity_)) bad = "capacity mismatch";
+      else if (std::memcmp(h.token, token_.c_str(), 33) != 0) bad = "token mismatch";
+      else if (h.uid != static_cast<uint32_t>(geteuid())) bad = "header uid mismatch";
+    }
+    if (!bad.empty()) {
+      if (s->base) munmap(s->base, s->size);
+      ::close(fd);
+      std::string msg = "commlab shm: refusing rank " + std::to_string(global_ranks_[j]) + "'s segment " + s->name +
+                        ": " + bad + " (forged, stale or foreign)";
+      delete s;
+      throw std::runtime_error(msg);
+    }
+    s->fd = fd;
+    segs_[j] = s;
+  }
+}
+
+void ShmComm::unlink_own() {
+  if (!own_unlinked_ && segs_[rank_]) {
+    shm_unlink(segs_[rank_]->name.c_str());
+    own_unlinked_ = true;
+  }
+}
+
+void ShmComm::close() {
+  // A forked child holds copies of its parent's names and locks: it only lets go of its
+  // own mappings and descriptors (closing a copy does not release the parent's lock).
+  if (fork_generation_ == fork_generation()) unlink_own();
+  for (auto*& s : segs_) {
+    if (s) {
+      if (s->base) munmap(s->base, s->size);
+      if (s->fd >= 0) ::close(s->fd);
+      delete s;
+      s = nullptr;
+    }
+  }
+}
+
+ShmComm::~ShmComm() { close(); }
+
+void ShmComm::check_usable() const {
+  if (fork_generation_ != fork_generation()) {
+    std::ostringstream msg;
+    msg << "commlab shm: this process (pid " << getpid() << ") was forked from the process that set up this group's "
+        << "shared memory; a forked child cannot take part in its parent's collectives (create a process group in "
+        << "the child)";
+    throw ForkedError(msg.str());
+  }
+  for (int j = 0; j < world_; ++j) {
+    if (segs_[j] == nullptr) throw std::runtime_error("commlab shm: not attached (or closed)");
+  }
+  if (!broken_.empty()) throw std::runtime_error("commlab shm: unusable after an earlier failure: " + broken_);
+}
+
+void ShmComm::publish(uint64_t value) {
+  Layout* l = segs_[rank_]->ctl();
+  l->seq.seq.store(value, std::memory_order_seq_cst);
+  l->wake.word.fetch_add(1, std::memory_order_seq_cst);
+  if (l->wake.waiters.load(std::memory_order_seq_cst) != 0) {
+    futex(&l->wake.word, FUTEX_WAKE, INT_MAX, nullptr);
+  }
+}
+
+bool ShmComm::peer_alive(int peer) const {
+  const int fd = segs_[peer]->fd;
+  if (flock(fd, LOCK_SH | LOCK_NB) == 0) {  // the owner's exclusive lock is gone with it
+    flock(fd, LOCK_UN);
+    return false;
+  }
+  return true;  // EWOULDBLOCK: still held (any other error: no evidence of death)
+}
+
+namespace {
+
+// Marks `seg` aborted (first reason wins) and wakes every waiter of every segment, so
+// ranks sleeping on any peer look at the abort words at once.
+void mark_aborted(Layout* own, const std::vector<Layout*>& all, uint32_t kind, int64_t cause, const std::string& why) {
+  uint32_t expected = 0;
+  if (own->abort.claimed.compare_exchange_strong(expected, 1)) {
+    const size_t n = std::min<size_t>(why.size(), kReasonBytes - 1);
+    std::memcpy(own->abort.reason, why.data(), n);
+    own->abort.reason[n] = 0;
+    own->abort.word.store((static_cast<uint64_t>(kind) << 32) | static_cast<uint64_t>(cause + 1),
+                          std::memory_order_release);
+  }
+  for (Layout* l : all) {
+    l->wake.word.fetch_add(1, std::memory_order_seq_cst);
+    futex(&l->wake.word, FUTEX_WAKE, INT_MAX, nullptr);
+  }
+}
+
+}  // namespace
+
+[[noreturn]] void ShmComm::give_up(uint32_t kind, int64_t cause, const std::string& why, int peer_of_record) {
+  std::vector<Layout*> all;
+  for (auto* s : segs_) all.push_back(s->ctl());
+  mark_aborted(segs_[rank_]->ctl(), all, kind, cause, why);
+  broken_ = why;
+  failed_peer_ = peer_of_record;
+  if (kind == kMismatch) throw MismatchError(why);
+  throw PeerLostError(why);
+}
+
+[[noreturn]] void ShmComm::relay(int peer) {
+  const AbortLine& a = segs_[peer]->ctl()->abort;
+  const uint64_t w = a.word.load(std::memory_order_acquire);
+  const uint32_t kind = static_cast<uint32_t>(w >> 32);
+  const int64_t cause = static_cast<int64_t>(w & 0xffffffffull) - 1;
+  const std::string reason(a.reason, strnlen(a.reason, kReasonBytes));
+  std::string msg = reason;
+  if (kind != kMismatch) {
+    msg = "commlab shm: rank " + std::to_string(global_ranks_[rank_]) + " stopped because rank " +
+          std::to_string(global_ranks_[peer]) + " gave up: " + reason;
+  }
+  // Pass the original reason on: ranks that wait on this one learn the first cause.
+  std::vector<Layout*> all;
+  for (auto* s : segs_) all.push_back(s->ctl());
+  mark_aborted(segs_[rank_]->ctl(), all, kind, cause, reason);
+  broken_ = msg;
+  failed_peer_ = cause >= 0 ? cause : global_ranks_[peer];
+  if (kind == kMismatch) throw MismatchError(msg);
+  throw PeerLostError(msg);
+}
+
+void ShmComm::check_aborts() {
+  for (int j = 0; j < world_; ++j) {
+    if (j != rank_ && segs_[j]->ctl()->abort.word.load(std::memory_order_acquire) != 0) relay(j);
+  }
+}
+
+void ShmComm::check_signals() {
+  if (!on_main_thread()) return;
+  pybind11::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return;
+  // A handler raised (KeyboardInterrupt on Ctrl-C): tell the peers, then let it out.
+  pybind11::error_already_set raised;
+  const std::string why = "commlab shm: rank " + std::to_string(global_ranks_[rank_]) +
+                          " was interrupted by a signal (its handler raised " + std::string(raised.what()).substr(0, 80) +
+                          ")";
+  std::vector<Layout*> all;
+  for (auto* s : segs_) all.push_back(s->ctl());
+  mark_aborted(segs_[rank_]->ctl(), all, kInterrupted, global_ranks_[rank_], why);
+  broken_ = why;
+  throw raised;
+}
+
+[[noreturn]] void ShmComm::fail_wait(int peer, uint64_t target, uint32_t kind, const char* why) {
+  const Layout* l = segs_[peer]->ctl();
+  const uint64_t seen = l->seq.seq.load();
+  std::ostringstream msg;
+  msg << "commlab shm: rank " << global_ranks_[rank_] << " waited for rank " << global_ranks_[peer] << " (pid "
+      << l->header.pid << ", " << (kind == kDead ? "dead" : "alive") << "): " << why << "; it reached piece "
+      << (seen >> 2) << " phase " << (seen & 3) << ", this rank needs piece " << (target >> 2) << " phase "
+      << (target & 3);
+  give_up(kind, global_ranks_[peer], msg.str(), global_ranks_[peer]);
+}
+
+void ShmComm::wait_for(int peer, uint64_t target) {
+  wait_seq(peer, target);
+  // A peer that gave up after publishing what we need fails this call here too, so the
+  // ranks end alike whenever they can see it (one load of a line that rarely changes).
+  if (segs_[peer]->ctl()->abort.word.load(std::memory_order_acquire) != 0) relay(peer);
+}
+
+void ShmComm::wait_seq(int peer, uint64_t target) {
+  Layout* l = segs_[peer]->ctl();
+  auto& seq = l->seq.seq;
+  // A short spin catches peers that are running right now; beyond it, sleep on the
+  // futex: with more ranks than cores a spinning waiter steals the core its peer needs.
+  for (int i = 0; i < spin_; ++i) {
+    if (seq.load(std::memory_order_acquire) >= target) return;
+    cpu_relax();
+  }
+  // Then yield for a while (a cheap poll where every rank has a core; commlab/shm.py
+  // turns it off where ranks outnumber cores, and says why). Past that, sleep.
+  if (yield_us_ > 0) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(yield_us_);
+    do {
+      for (int k = 0; k < 16; ++k) {
+        if (seq.load(std::memory_order_acquire) >= target) return;
+        sched_yield();
+      }
+    } while (std::chrono::steady_clock::now() < until);
+  }
+  const int64_t start = now_ms();
+  const int64_t deadline = start + timeout_ms_;
+  int64_t next_probe = start + kLivenessMs;
+  while (true) {
+    const uint32_t word = l->wake.word.load(std::memory_order_seq_cst);
+    l->wake.waiters.fetch_add(1, std::memory_order_seq_cst);
+    if (seq.load(std::memory_order_seq_cst) >= target) {
+      l->wake.waiters.fetch_sub(1, std::memory_order_seq_cst);
+      return;
+    }
+    const int64_t left = deadline - now_ms();
+    if (left <= 0) {
+      l->wake.waiters.fetch_sub(1, std::memory_order_seq_cst);
+      check_aborts();
+      fail_wait(peer, target, kTimeout, "timed out");
+    }
+    const int64_t slice = std::min<int64_t>(left, kSliceMs);
+    struct timespec ts{static_cast<time_t>(slice / 1000), static_cast<long>((slice % 1000) * 1000000)};
+    futex(&l->wake.word, FUTEX_WAIT, word, &ts);
+    l->wake.waiters.fetch_sub(1, std::memory_order_seq_cst);
+    if (seq.load(std::memory_order_acquire) >= target) return;
+    check_aborts();
+    check_signals();
+    const int64_t now = now_ms();
+    if (now >= next_probe) {
+      next_probe = now + kLivenessMs;
+      if (!peer_alive(peer)) {
+        // It may have published what we wait for just before it exited (its last call).
+        if (seq.load(std::memory_order_acquire) >= target) return;
+        fail_wait(peer, target, kDead, "its process died or closed the communicator");
+      }
+    }
+  }
+}
+
+void ShmComm::write_info(uint64_t piece_seq, int64_t total, int64_t index, int64_t nbytes, int dtype, int op,
+                         int mode) {
+  CallInfo& ci = segs_[rank_]->ctl()->info[piece_seq & 1];
+  ci.piece_seq = piece_seq;
+  ci.call = calls_;
+  ci.total = total;
+  ci.index = index;
+  ci.nbytes = nbytes;
+  ci.dtype = dtype;
+  ci.op = op;
+  ci.mode = mode;
+}
+
+void ShmComm::check_info(int peer, uint64_t piece_seq) {
+  const CallInfo& mine = segs_[rank_]->ctl()->info[piece_seq & 1];
+  const CallInfo& theirs = segs_[peer]->ctl()->info[piece_seq & 1];
+  if (theirs.piece_seq == mine.piece_seq && theirs.call == mine.call && theirs.total == mine.total &&
+      theirs.index == mine.index && theirs.nbytes == mine.nbytes && theirs.dtype == mine.dtype &&
+      theirs.op == mine.op && theirs.mode == mine.mode) {
+    return;
+  }
+  auto describe = [](std::ostringstream& out, int64_t rank, const CallInfo& ci) {
+    out << "rank " << rank << ": call " << ci.call << " of " << ci.total << " bytes of "
+        << c10::toString(static_cast<c10::ScalarType>(ci.dtype)) << ", op " << op_name(ci.op) << ", "
+        << mode_name(ci.mode) << " (piece " << ci.index << ", " << ci.nbytes << " bytes)";
+  };
+  // Both records in rank order: ranks that find the same difference report it alike.
+  const bool me_first = global_ranks_[rank_] < global_ranks_[peer];
+  std::ostringstream msg;
+  msg << "commlab shm: mismatch: ranks called all_reduce differently: ";
+  describe(msg, me_first ? global_ranks_[rank_] : global_ranks_[peer], me_first ? mine : theirs);
+  msg << "; ";
+  describe(msg, me_first ? global_ranks_[peer] : global_ranks_[rank_], me_first ? theirs : mine);
+  give_up(kMismatch, global_ranks_[peer], msg.str(), global_ranks_[peer]);
+}
+
+void ShmComm::piece(char* dst, const char* src, int64_t total, int64_t index, int64_t nbytes, int64_t elsize,
+                    c10::ScalarType dtype, int op, ShmMode mode) {
+  const uint64_t c = ++seq_;
+  const int par = static_cast<int>(c & 1);
+  const int dcode = static_cast<int>(dtype);
+  const int mcode = static_cast<int>(mode);
+  const int64_t count = nbytes / elsize;
+  const void** ptrs = ptrs_.data();
+
+  std::memcpy(segs_[rank_]->data(par, capacity_), src, nbytes);
+  write_info(c, total, index, nbytes, dcode, op, mcode);
+  publish(c * 4 + 1);
+
+  if (mode == ShmMode::kOneShot) {
+    // Every rank reduces everything, in rank order: identical bits on every rank.
+    for (int j = 0; j < world_; ++j) {
+      if (j != rank_) {
+        wait_for(j, c * 4 + 1);
+        check_info(j, c);
+      }
+      ptrs[j] = segs_[j]->data(par, capacity_);
+    }
+    reduce_n_raw(dst, ptrs, world_, count, dtype, static_cast<RedOp>(op));
+    return;
+  }
+
+  if (mode == ShmMode::kRoot) {
+    if (rank_ == 0) {
+      for (int j = 1; j < world_; ++j) {
+        wait_for(j, c * 4 + 1);
+        check_info(j, c);
+      }
+      for (int j = 0; j < world_; ++j) ptrs[j] = segs_[j]->data(par, capacity_);
+      char* result = segs_[0]->data(par, capacity_);
+      reduce_n_raw(result, ptrs, world_, count, dtype, static_cast<RedOp>(op));
+      publish(c * 4 + 2);
+      std::memcpy(dst, result, nbytes);
+    } else {
+      wait_for(0, c * 4 + 2);
+      check_info(0, c);
+      std::memcpy(dst, segs_[0]->data(par, capacity_), nbytes);
+    }
+    return;
+  }
+
+  // Two-shot: rank r reduces its 1/p slice from every segment into its own segment,
+  // then everyone copies every reduced slice out.
+  auto slice = [&](int j, int64_t* off, int64_t* len) {
+    const int64_t base = count / world_, extra = count % world_;
+    const int64_t start = j * base + std::min<int64_t>(j, extra);
+    *off = start * elsize;
+    *len = (base + (j < extra ? 1 : 0)) * elsize;
+  };
+  for (int j = 0; j < world_; ++j) {
+    if (j != rank_) {
+      wait_for(j, c * 4 + 1);
+      check_info(j, c);
+    }
+  }
+  int64_t off, len;
+  slice(rank_, &off, &len);
+  for (int j = 0; j < world_; ++j) ptrs[j] = segs_[j]->data(par, capacity_) + off;
+  reduce_n_raw(segs_[rank_]->data(par, capacity_) + off, ptrs, world_, len / elsize, dtype, static_cast<RedOp>(op));
+  publish(c * 4 + 2);
+  for (int k = 0; k < world_; ++k) {
+    const int j = (rank_ + k) % world_;  // start at different peers to spread the reads
+    if (j != rank_) wait_for(j, c * 4 + 2);
+    slice(j, &off, &len);
+    std::memcpy(dst + off, segs_[j]->data(par, capacity_) + off, len);
+  }
+}
+
+void ShmComm::allreduce(const torch::Tensor& t, int64_t op, int64_t mode) {
+  check_usable();  // before anything shared is touched (a forked child stops here)
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "commlab shm: needs a contiguous CPU tensor");
+  TORCH_CHECK(op >= 0 && op <= 3, "commlab shm: op code must be 0..3");
+  TORCH_CHECK(mode >= 0 && mode <= 3, "commlab shm: mode must be a ShmMode (0..3)");
+  const int64_t elsize = t.element_size();
+  const int64_t nbytes = t.numel() * elsize;
+  if (nbytes == 0 || world_ == 1) return;
+  // Pieces never split an element and fit one parity buffer.
+  const int64_t max_piece = (capacity_ / elsize) * elsize;
+  char* data = static_cast<char*>(t.data_ptr());
+  const auto dtype = t.scalar_type();
+  ++calls_;
+  pybind11::gil_scoped_release no_gil;
+  try {
+    int64_t index = 0;
+    for (int64_t done = 0; done < nbytes; done += max_piece, ++index) {
+      const int64_t n = std::min(max_piece, nbytes - done);
+      ShmMode m = static_cast<ShmMode>(mode);
+      if (m == ShmMode::kAuto) m = (n <= oneshot_max_) ? ShmMode::kOneShot : ShmMode::kTwoShot;
+      piece(data + done, data + done, nbytes, index, n, elsize, dtype, static_cast<int>(op), m);
+    }
+  } catch (const MismatchError&) {
+    throw;
+  } catch (const PeerLostError&) {
+    throw;
+  } catch (const pybind11::error_already_set&) {
+    throw;
+  } catch (const std::exception& e) {
+    // Anything else mid-call still leaves peers waiting on this rank: tell them.
+    const std::string why = "commlab shm: rank " + std::to_string(global_ranks_[rank_]) + " failed: " + e.what();
+    std::vector<Layout*> all;
+    for (auto* s : segs_) all.push_back(s->ctl());
+    mark_aborted(segs_[rank_]->ctl(), all, kError, global_ranks_[rank_], why);
+    broken_ = why;
+    throw;
+  }
+}
+
+}  // namespace commlab

@@ -1,0 +1,96 @@
+// Shared-memory all-reduce for CPU ranks on one host.
+//
+// Each rank owns one segment (created O_EXCL, mode 0600, name from a 128-bit token the
+// group agreed on), with a header validated on attach, a sequence counter and a futex
+// word on cache lines of their own, and two data buffers used by piece parity. A
+// rank's counter only grows (piece*4 + phase) and waiters accept "this phase or
+// later", so two buffers are enough and no call needs a trailing barrier: a peer can
+// only start writing buffer b again after everyone has announced the next piece, which
+// each rank does only after it stopped reading buffer b.
+//
+// Every piece carries a record of the whole call (call number, total bytes, piece
+// index, dtype, op, mode) that peers compare before reading its data, so no piece
+// pairs with a piece of another call. A rank that gives up for any reason (mismatch,
+// deadline, dead peer, signal, error) marks its segment aborted with the reason and
+// wakes every waiter: all ranks fail at once, with the same cause.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../../common/codes.h"
+
+namespace commlab {
+
+class ShmComm {
+ public:
+  // Creates, sizes, pre-faults and maps this rank's own segment.
+  ShmComm(const std::string& token_hex, int64_t rank, int64_t world, int64_t capacity,
+          int64_t timeout_ms, std::vector<int64_t> global_ranks);
+  ~ShmComm();
+  ShmComm(const ShmComm&) = delete;
+  ShmComm& operator=(const ShmComm&) = delete;
+
+  void attach();      // map and validate every peer's segment
+  void unlink_own();  // remove our name once every rank has mapped it
+  void allreduce(const torch::Tensor& t, int64_t op, int64_t mode);
+  void close();
+
+  // Removes every rank's segment name of a group (after a failed setup: survivors
+  // clean up for a rank that died between creating its segment and the unlink).
+  static int64_t unlink_names(const std::string& token_hex, int64_t world);
+
+  int64_t capacity() const { return capacity_; }
+  int64_t oneshot_max() const { return oneshot_max_; }
+  void set_oneshot_max(int64_t bytes) { oneshot_max_ = bytes; }
+  int64_t spin() const { return spin_; }
+  void set_spin(int64_t n) { spin_ = static_cast<int>(std::max<int64_t>(0, n)); }
+  int64_t yield_us() const { return yield_us_; }
+  void set_yield_us(int64_t us) { yield_us_ = static_cast<int>(std::max<int64_t>(0, us)); }
+  std::string segment_name(int64_t rank) const;
+  uint64_t calls() const { return calls_; }
+  // Global rank this rank lost (waited for in vain, or whose give-up it relays), or -1.
+  int64_t failed_peer() const { return failed_peer_; }
+
+ private:
+  struct Segment;
+  void check_usable() const;
+  void publish(uint64_t value);
+  void wait_for(int peer, uint64_t target);
+  void wait_seq(int peer, uint64_t target);
+  void check_signals();
+  [[noreturn]] void give_up(uint32_t kind, int64_t lost, const std::string& why, int peer_of_record);
+  [[noreturn]] void relay(int peer);
+  void check_aborts();
+  void write_info(uint64_t piece_seq, int64_t total, int64_t index, int64_t nbytes, int dtype, int op, int mode);
+  void check_info(int peer, uint64_t piece_seq);
+  bool peer_alive(int peer) const;
+  void piece(char* dst, const char* src, int64_t total, int64_t index, int64_t nbytes, int64_t elsize,
+             c10::ScalarType dtype, int op, ShmMode mode);
+  [[noreturn]] void fail_wait(int peer, uint64_t target, uint32_t kind, const char* why);
+
+  std::string token_;
+  int rank_;
+  int world_;
+  int64_t capacity_;
+  int64_t timeout_ms_;
+  int64_t oneshot_max_;
+  int spin_;
+  int yield_us_;
+  uint64_t fork_generation_;
+  std::vector<int64_t> global_ranks_;
+  std::vector<Segment*> segs_;
+  std::vector<const void*> ptrs_;  // reduction inputs of a piece, reused
+  bool own_unlinked_ = false;
+  uint64_t seq_ = 0;    // pieces run so far
+  uint64_t calls_ = 0;  // calls run so far
+  std::string broken_;
+  int64_t failed_peer_ = -1;
+};
+
+}  // namespace commlab
