@@ -74,12 +74,6 @@ def strided(rank, p, algorithm):
     return out
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_strided_and_scalar(ranks, algorithm):
-    for fails in ranks.run(3, strided, algorithm):
-        assert not fails, fails
-
-
 def subgroups(rank, p, algorithm):
     # Groups must be created in the same order on every rank.
     evens = dist.new_group([0, 2])
@@ -108,12 +102,6 @@ def subgroups(rank, p, algorithm):
     return out
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_subgroups(ranks, algorithm):
-    for fails in ranks.run(4, subgroups, algorithm):
-        assert not fails, fails
-
-
 def asynchronous(rank, p, algorithm):
     xs = [torch.full((n,), float(rank + 1)) for n in (3, 1000, 17)]
     works = [commlab.all_reduce(x, algorithm=algorithm, async_op=True) for x in xs]
@@ -135,9 +123,15 @@ def asynchronous(rank, p, algorithm):
     return out
 
 
+# Each case returns the list of what went wrong on its rank (empty when all is right).
+CASES = {"strided and scalar": (strided, 3), "sub-groups": (subgroups, 4), "async_op": (asynchronous, 3)}
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_async_op(ranks, algorithm):
-    for fails in ranks.run(3, asynchronous, algorithm):
+@pytest.mark.parametrize("case", list(CASES))
+def test_contract(ranks, case, algorithm):
+    fn, world = CASES[case]
+    for fails in ranks.run(world, fn, algorithm):
         assert not fails, fails
 
 

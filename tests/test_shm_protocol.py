@@ -2,6 +2,7 @@
 error on every rank, fast. Mismatched calls (also when pieces happen to line up),
 a rank that gives up, Ctrl-C inside a wait, a forked child, a rank killed during
 setup, and peers in another PID namespace."""
+import functools
 import json
 import os
 import shutil
@@ -37,10 +38,26 @@ def _outcome(fn):
     return {"type": None, "s": time.monotonic() - t0}
 
 
-def calls_that_pair_piecewise(rank, p, algorithm):
+def in_own_group(body):
+    """Run body(rank, p, group, *args) in a fresh group of every rank, which the ranks
+    leave together afterwards (the pool's ranks live on into other tests)."""
+
+    @functools.wraps(body)
+    def run(rank, p, *args):
+        g = dist.new_group(list(range(p)))
+        try:
+            return body(rank, p, g, *args)
+        finally:
+            dist.barrier()
+            dist.destroy_process_group(g)
+
+    return run
+
+
+@in_own_group
+def calls_that_pair_piecewise(rank, p, g, algorithm):
     """The repro: rank 0 reduces 3 MiB; rank 1 reduces 1 MiB of 10s, then 1 MiB of 100s.
     Every piece of rank 1's calls has the size of a piece of rank 0's call."""
-    g = dist.new_group(list(range(p)))
     out = {}
     if rank == 0:
         out["first"] = _outcome(lambda: commlab.all_reduce(torch.ones(3 << 18), group=g, algorithm=algorithm))
@@ -49,8 +66,6 @@ def calls_that_pair_piecewise(rank, p, algorithm):
         out["first"] = _outcome(lambda: commlab.all_reduce(a, group=g, algorithm=algorithm))
         out["second"] = _outcome(lambda: commlab.all_reduce(b, group=g, algorithm=algorithm))
         out["values"] = [a[0].item(), b[0].item()]
-    dist.barrier()
-    dist.destroy_process_group(g)
     return out
 
 
@@ -66,16 +81,14 @@ def test_a_piece_never_pairs_with_another_call(ranks, algorithm):
     assert r1["values"] == [10.0, 100.0], "a failed call must leave the caller's data alone"
 
 
-def mismatch_then_live_on(rank, p, algorithm):
+@in_own_group
+def mismatch_then_live_on(rank, p, g, algorithm):
     """Rank 1 passes half the bytes. Rank 0 catches its error and lives on (sleeps):
     the others must not wait for its death or the group's timeout."""
-    g = dist.new_group(list(range(p)))
     n = (1 << 17) if rank == 1 else (1 << 18)
     out = _outcome(lambda: commlab.all_reduce(torch.ones(n), group=g, algorithm=algorithm))
     if rank == 0:
         time.sleep(5)
-    dist.barrier()
-    dist.destroy_process_group(g)
     return out
 
 
@@ -86,8 +99,8 @@ def test_a_rank_that_gives_up_aborts_its_peers(ranks, algorithm):
         assert r["s"] < 2, (rank, r)
 
 
-def interrupted_in_a_wait(rank, p, algorithm):
-    g = dist.new_group(list(range(p)))
+@in_own_group
+def interrupted_in_a_wait(rank, p, g, algorithm):
     x = torch.ones(4096)
     commlab.all_reduce(x, group=g, algorithm=algorithm)  # set up
     dist.barrier()
@@ -105,8 +118,6 @@ def interrupted_in_a_wait(rank, p, algorithm):
     else:
         time.sleep(2)
         out.update(_outcome(lambda: commlab.all_reduce(x, group=g, algorithm=algorithm)))
-    dist.barrier()
-    dist.destroy_process_group(g)
     return out
 
 
@@ -119,8 +130,8 @@ def test_ctrl_c_interrupts_a_wait_and_peers_fail_fast(ranks, algorithm):
     assert r1["s"] < 2, r1
 
 
-def forked_child_calls(rank, p):
-    g = dist.new_group(list(range(p)))
+@in_own_group
+def forked_child_calls(rank, p, g):
     x = torch.full((3000,), float(rank + 1))
     commlab.all_reduce(x, group=g, algorithm="shm")
     out = {}
@@ -146,7 +157,6 @@ def forked_child_calls(rank, p):
     y = torch.full((3000,), float(rank + 1))
     commlab.all_reduce(y, group=g, algorithm="shm")
     out["after"] = y.unique().tolist()
-    dist.destroy_process_group(g)
     return out
 
 

@@ -54,3 +54,9 @@ def fold_out(buf: torch.Tensor, ctx: Context, f: Fold) -> None:
 
 def log2(n: int) -> int:
     return n.bit_length() - 1
+
+
+def folded(p: int) -> tuple[int, int]:
+    """(the power of two p is folded onto, 1 when folding adds its steps and bytes else 0)."""
+    q = 1 << log2(p)
+    return q, int(p != q)

@@ -12,12 +12,11 @@ class RecursiveDoubling(Algorithm):
     name = "rd"
     summary = "recursive doubling: exchange the whole tensor with partner r^2^k, log2(p) rounds"
     formula = "log2(p)α + log2(p)·nβ + log2(p)·nγ  (p a power of two; else +2α, +nβ, +nγ for the fold)"
-    wins_when = "small messages: fewest steps of any algorithm"
+    wins_when = "small messages: log2(p) steps, each sending the whole tensor"
     order = 50
 
     def cost(self, p, nbytes):
-        q = 1 << pow2.log2(p)
-        extra = 1 if p != q else 0
+        q, extra = pow2.folded(p)
         k = pow2.log2(q)
         return Cost(k + 2 * extra, (k + extra) * nbytes, (k + extra) * nbytes)
 

@@ -18,8 +18,7 @@ class HalvingDoubling(Algorithm):
     order = 40
 
     def cost(self, p, nbytes):
-        q = 1 << pow2.log2(p)
-        extra = 1 if p != q else 0
+        q, extra = pow2.folded(p)
         return Cost(
             2 * pow2.log2(q) + 2 * extra,
             2 * (q - 1) / q * nbytes + extra * nbytes,

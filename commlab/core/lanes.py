@@ -3,9 +3,9 @@
 Collectives on a group must run in the same order on every rank. Each group gets a
 lane: an async call is queued to the lane's daemon thread; a blocking call runs
 inline when nothing is queued or running, else it queues behind the pending work and
-waits, so blocking and async calls never overtake each other. The decision to run
-inline and the queueing happen under one lock, and the lane thread starts a job only
-when no inline call is running.
+waits, so blocking and async calls never overtake each other. An inline call holds the
+group's gate, which the lane thread takes before each job: two calls of a group never
+run at once, and an inline call admitted first finishes first.
 """
 from __future__ import annotations
 
@@ -71,11 +71,15 @@ class Work:
 
 
 class _Lane:
+    """One group's issue order. `_gate` is held by whoever runs a call of the group
+    (a blocking caller inline, or the lane thread), so two calls never run at once; a
+    blocking call runs inline only when nothing is queued, else it queues behind."""
+
     def __init__(self, name: str):
         self._q: queue.Queue = queue.Queue()
         self._pending = 0  # queued or running on the lane thread
-        self._inline = False  # a blocking call is running on its caller's thread
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # guards _pending and the thread's start
+        self._gate = threading.Lock()
         self._name = name
         self._thread: threading.Thread | None = None
 
@@ -85,46 +89,43 @@ class _Lane:
             if item is None:
                 return
             job, work, stream = item
-            with self._cond:  # an inline call that was admitted first finishes first
-                while self._inline:
-                    self._cond.wait()
             error = None
-            try:
-                if stream is not None:
-                    with torch.cuda.stream(stream):
+            with self._gate:  # an inline call admitted before this job finishes first
+                try:
+                    if stream is not None:
+                        with torch.cuda.stream(stream):
+                            job()
+                    else:
                         job()
-                else:
-                    job()
-            except BaseException as e:  # noqa: BLE001 - delivered through the Future
-                error = e
+                except BaseException as e:  # noqa: BLE001 - delivered through the Future
+                    error = e
             if stream is not None:
                 with torch.cuda.stream(stream):  # the Future records its event on this stream
                     work._finish(error)
             else:
                 work._finish(error)
-            with self._cond:
+            with self._lock:
                 self._pending -= 1
-                self._cond.notify_all()
 
     def try_inline(self) -> bool:
-        """Admit a blocking call to run on the caller's thread: only when nothing is
-        queued or running. The caller must call end_inline() afterwards."""
-        with self._cond:
-            if self._pending or self._inline:
-                return False
-            self._inline = True
-            return True
+        """Admit a blocking call to run on the caller's thread (only when nothing is
+        queued); the caller runs it and then calls end_inline(). A few C-level lock
+        operations: this is on the path of every small blocking call."""
+        if self._pending or not self._gate.acquire(False):
+            return False
+        if self._pending:  # queued between the check and the gate: it goes first
+            self._gate.release()
+            return False
+        return True
 
     def end_inline(self) -> None:
-        with self._cond:
-            self._inline = False
-            self._cond.notify_all()
+        self._gate.release()
 
     def submit(self, job: Callable[[], None], tensor: torch.Tensor, async_op: bool) -> Work | None:
         work = Work(tensor)
         # Work queued from a CUDA stream runs on that stream, keeping the caller's ordering.
         stream = torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
-        with self._cond:
+        with self._lock:
             self._pending += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)

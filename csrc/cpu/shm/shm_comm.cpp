@@ -32,6 +32,7 @@ constexpr int64_t kDataOffset = 4096;
 constexpr int kReasonBytes = 1024;
 constexpr int64_t kSliceMs = 50;     // longest futex sleep: bounds how late a signal or a death is seen
 constexpr int64_t kLivenessMs = 100;  // how often a sleeping waiter probes the awaited peer
+constexpr int64_t kSignalCheckMs = 20;  // how often a sleeping waiter asks Python for pending signals
 
 struct alignas(64) Header {
   uint64_t magic;
@@ -448,6 +449,7 @@ void ShmComm::wait_seq(int peer, uint64_t target) {
   const int64_t start = now_ms();
   const int64_t deadline = start + timeout_ms_;
   int64_t next_probe = start + kLivenessMs;
+  int64_t next_signal_check = start + kSignalCheckMs;
   while (true) {
     const uint32_t word = l->wake.word.load(std::memory_order_seq_cst);
     l->wake.waiters.fetch_add(1, std::memory_order_seq_cst);
@@ -463,12 +465,17 @@ void ShmComm::wait_seq(int peer, uint64_t target) {
     }
     const int64_t slice = std::min<int64_t>(left, kSliceMs);
     struct timespec ts{static_cast<time_t>(slice / 1000), static_cast<long>((slice % 1000) * 1000000)};
-    futex(&l->wake.word, FUTEX_WAIT, word, &ts);
+    const bool interrupted = futex(&l->wake.word, FUTEX_WAIT, word, &ts) != 0 && errno == EINTR;
     l->wake.waiters.fetch_sub(1, std::memory_order_seq_cst);
     if (seq.load(std::memory_order_acquire) >= target) return;
     check_aborts();
-    check_signals();
     const int64_t now = now_ms();
+    // Taking the GIL on every wake-up would tax every small call: a signal that reached
+    // this thread interrupts the sleep, one that reached another is seen within 20 ms.
+    if (interrupted || now >= next_signal_check) {
+      next_signal_check = now + kSignalCheckMs;
+      check_signals();
+    }
     if (now >= next_probe) {
       next_probe = now + kLivenessMs;
       if (!peer_alive(peer)) {
