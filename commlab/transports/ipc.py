@@ -115,14 +115,14 @@ def _setup(entry: _Entry, info: GroupInfo, device: torch.device, algorithm: str)
     facts = gather(info, mine, "ipc")
     errors = {info.global_rank(r): f["error"] for r, f in enumerate(facts) if "error" in f}
     if errors:
-        raise entry.fail(CommlabError(f"commlab[{algorithm}]: reading the GPU's facts failed on rank(s) "
-                                      f"{sorted(errors)}: " + "; ".join(f"rank {r}: {e}" for r, e in errors.items())))
+        raise CommlabError(f"commlab[{algorithm}]: reading the GPU's facts failed on rank(s) {sorted(errors)}: "
+                           + "; ".join(f"rank {r}: {e}" for r, e in errors.items()))
     path, why = choose_path(facts, facts[0]["forced"])
     if path is None:
-        raise entry.fail(UnsupportedError(f"commlab[{algorithm}]: {why}"))
+        raise UnsupportedError(f"commlab[{algorithm}]: {why}")
     diff = differing(info, facts, KNOBS)
     if diff:
-        raise entry.fail(CollectiveMismatchError(f"commlab[{algorithm}]: ranks configured CUDA IPC differently: {diff}"))
+        raise CollectiveMismatchError(f"commlab[{algorithm}]: ranks configured CUDA IPC differently: {diff}")
     device_index = facts[info.rank]["index"]
     if path == PATH_PEER:
         C = ext.require()
@@ -139,10 +139,10 @@ def _setup(entry: _Entry, info: GroupInfo, device: torch.device, algorithm: str)
             comm.max_blocks = MAX_BLOCKS
             handles = gather(info, comm.handle(), "ipc")
             agree(info, "mapping peers' CUDA IPC buffers", lambda: comm.open(handles), "ipc")
-        except CommlabError as e:
+        except CommlabError:
             if "comm" in made:
                 made["comm"].close()
-            raise entry.fail(e)
+            raise
         entry.comm = comm
     # Only a complete setup names a path: a failed one raises its error again next time.
     entry.device = device_index
@@ -171,7 +171,10 @@ def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm
     with entry.lock:
         entry.raise_failure()
         if entry.path is None:
-            _setup(entry, info, buf.device, algorithm)
+            try:
+                _setup(entry, info, buf.device, algorithm)
+            except CommlabError as e:
+                raise entry.fail(e)
         if buf.device.index != entry.device:
             raise CommlabError(f"commlab[{algorithm}]: this group's communicator lives on cuda:{entry.device}, "
                                f"the tensor is on {buf.device}")

@@ -38,6 +38,7 @@ SPIN = 256
 # ends in a sleep was the worst of both).
 YIELD_US = 2000
 
+
 class Mode(enum.IntEnum):
     """csrc/common/codes.h's ShmMode."""
 
@@ -56,6 +57,7 @@ _entries = groups.PerGroup(lambda g: Entry(), release=Entry.close)  # freed with
 
 
 def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
+    """Set the group's shared memory up (collective); a CommlabError leaves nothing behind."""
     C = ext.require()
     facts = gather(info, {"host": host_id(), "cpus": sorted(os.sched_getaffinity(0)), "capacity": CAPACITY,
                           "oneshot_max": ONESHOT_MAX})
@@ -64,24 +66,22 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
     if len(set(hosts)) > 1:
         by_host: dict[str, list[int]] = {}
         for r, h in enumerate(hosts):
-            by_host.setdefault(h.split("/")[0] + ("" if h == hosts[0] else f" ({h.split('/', 1)[-1][-20:]})"), []).append(
-                info.global_rank(r))
-        raise entry.fail(UnsupportedError(
-            f"commlab[{algorithm}]: the group spans more than one host, shared memory cannot serve it: "
-            + ", ".join(f"{h}: ranks {rs}" for h, rs in by_host.items())))
+            label = h.split("/")[0] + ("" if h == hosts[0] else f" ({h.split('/', 1)[-1][-20:]})")
+            by_host.setdefault(label, []).append(info.global_rank(r))
+        raise UnsupportedError(f"commlab[{algorithm}]: the group spans more than one host, shared memory cannot "
+                               "serve it: " + ", ".join(f"{h}: ranks {rs}" for h, rs in by_host.items()))
     # Ranks configured differently would pair pieces of different sizes or modes.
     diff = differing(info, facts, {"COMMLAB_SHM_CAPACITY": "capacity", "COMMLAB_SHM_ONESHOT_MAX": "oneshot_max"})
     if diff:
-        raise entry.fail(CollectiveMismatchError(f"commlab[{algorithm}]: ranks configured shared memory differently: "
-                                                 f"{diff}"))
+        raise CollectiveMismatchError(f"commlab[{algorithm}]: ranks configured shared memory differently: {diff}")
     # An object broadcast works on any backend: the CUDA IPC transport's host-staged
     # path sets shared memory up over NCCL groups too.
     token = [os.urandom(16).hex() if info.rank == 0 else None]
     try:
         dist.broadcast_object_list(token, src=info.global_rank(0), group=info.group)
     except RuntimeError as e:
-        raise entry.fail(PeerError(f"commlab[{algorithm}]: setup: agreeing on a segment name failed: {e}",
-                                   algorithm=algorithm, peer=None)) from None
+        raise PeerError(f"commlab[{algorithm}]: setup: agreeing on a segment name failed: {e}",
+                        algorithm=algorithm) from None
     token_hex = token[0]
     timeout_ms = int(info.timeout.total_seconds() * 1000)
     made = {}
@@ -98,17 +98,14 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
         comm.spin = _env_int("COMMLAB_SHM_SPIN", SPIN if own_cores else 0)
         comm.yield_us = _env_int("COMMLAB_SHM_YIELD_US", YIELD_US if own_cores else 0)
         agree(info, "attaching peer segments", comm.attach)
-    except CommlabError as e:
-        # A rank may have died between creating its segment and the unlink below: every
+    except CommlabError:
+        # A rank may have died between creating its segment and the unlink: every
         # survivor knows the token, so every name of the group goes.
         C.ShmComm.unlink_names(token_hex, info.size)
         if "comm" in made:
             made["comm"].close()
-        raise entry.fail(e)
-    finally:
-        # Either every rank mapped every segment, or setup failed: the names go now.
-        if "comm" in made:
-            made["comm"].unlink_own()
+        raise
+    comm.unlink_own()  # every rank mapped every segment: the names go now
     entry.comm = comm
 
 
@@ -141,9 +138,13 @@ def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm
 
 
 def _ready(entry: Entry, info: GroupInfo, algorithm: str):
-    """The group's communicator, set up on first use; raises if it cannot be had."""
+    """The group's communicator, set up on first use; raises if it cannot be had, and
+    the same error again on every later call."""
     entry.raise_failure()
-    _setup(entry, info, algorithm)
+    try:
+        _setup(entry, info, algorithm)
+    except CommlabError as e:
+        raise entry.fail(e)
     return entry.comm
 
 
