@@ -27,7 +27,7 @@ def _run(args, timeout=240):
 def test_bench_cli_spawn_json(tmp_path, op, dtype):
     out = tmp_path / "r.json"
     csv = tmp_path / "r.csv"
-    proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "3", "-b", "8", "-e", "8K", "-f", "32",
+    proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "3", "-b", "8", "-e", "8K", "-f", "32", "--anchors", "none",
                  "-n", "3", "-w", "1", "-o", op, "-d", dtype, "--json", str(out), "--csv", str(csv)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -131,6 +131,24 @@ def test_bench_time_is_the_loop_time_of_the_slowest_rank(ranks):
         assert mean_us == pytest.approx(1000.0)
 
 
+def _blocking_barriers(rank, p):
+    from commlab.measure.timing import Interleaved
+
+    events = []
+    clock = Interleaved(device=torch.device("cpu"), iters=4, warmup=1, blocking=True, budget_s=1, max_iters=4,
+                        rounds=1)
+    clock.round("x", lambda: events.append("call"), lambda: events.append("barrier"))
+    return events
+
+
+def test_isolated_calls_start_from_the_rows_own_barrier(ranks):
+    """--blocking: every timed call comes right after the row's transport barrier (not
+    gloo's, which releases ranks sharing cores milliseconds apart)."""
+    for events in ranks.run(2, _blocking_barriers):
+        timed = events[events.index("barrier"):]  # after the untimed setup/warm-up calls
+        assert timed == ["barrier", "call"] * 4, events
+
+
 @pytest.mark.parametrize("module", ["allreduce_bench", "compare", "advise", "doctor", "costmodel"])
 def test_entry_points_run_without_docstrings(module):
     """python -OO strips docstrings; no entry point may depend on one."""
@@ -162,14 +180,13 @@ def test_launch_reads_the_local_world_size(monkeypatch):
     assert launch.detect() == launch.Launch("torchrun", 5, 8, 1, 4)
 
 
-def test_the_mpi_anchor_stages_cuda_tensors_through_the_host(monkeypatch):
+def test_the_mpi_anchor_names_its_library_and_stages_cuda_tensors(monkeypatch):
     import types
 
     import torch
 
     from commlab.core.reduction import Op
-    from commlab.measure import bench as allreduce_bench
-    from commlab.measure import launch
+    from commlab.measure import launch, rows
 
     seen = []
 
@@ -181,16 +198,21 @@ def test_the_mpi_anchor_stages_cuda_tensors_through_the_host(monkeypatch):
             seen.append(type(buf).__name__)
             buf *= 2  # what a 2-rank SUM of equal inputs gives
 
-    fake = types.SimpleNamespace(COMM_WORLD=Comm(), IN_PLACE=None, SUM="sum", PROD="prod", MIN="min", MAX="max")
+        def Barrier(self):
+            pass
+
+    fake = types.SimpleNamespace(COMM_WORLD=Comm(), IN_PLACE=None, SUM="sum", PROD="prod", MIN="min", MAX="max",
+                                 Get_library_version=lambda: "Open MPI v5.0.11, package: Open MPI\nmore")
     monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(MPI=fake))
     monkeypatch.setattr(launch, "active", lambda: launch.Launch("mpi", 0, 2, 0, 2))
-    monkeypatch.setattr(allreduce_bench.dist, "get_world_size", lambda: 2)
-    row = allreduce_bench.mpi_row(torch.float32, "cuda")
-    assert row.name == "mpi:host-staged"
+    monkeypatch.setattr(rows.dist, "get_world_size", lambda: 2)
+    row = rows.mpi_row(torch.float32, Op.SUM, torch.device("cuda"))
+    assert row.name == "mpi:openmpi:host-staged" and "Open MPI v5.0.11" in row.about
     t = torch.ones(4)
     row.call(t, Op.SUM)
     assert seen == ["ndarray"] and t.tolist() == [2.0] * 4
-    assert allreduce_bench.mpi_row(torch.float32, "cpu").name == "mpi"
+    assert rows.mpi_row(torch.float32, Op.SUM, torch.device("cpu")).name == "mpi:openmpi"
+    assert "bfloat16" in rows.mpi_row(torch.bfloat16, Op.SUM, torch.device("cpu"))  # a reason, not a row
 
 
 def test_memory_floor_is_a_lower_bound(tmp_path):

@@ -15,16 +15,14 @@ import csv
 import json
 import os
 import sys
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-import commlab
 from commlab import algorithms
 from commlab.core.reduction import Op, finish_average_, parse_op
 from commlab.measure import costmodel, envinfo, launch
+from commlab.measure.rows import anchor_rows, registry_rows
 from commlab.measure.timing import Interleaved
 from commlab.measure.units import format_bytes, parse_bytes
 
@@ -34,53 +32,6 @@ DTYPES = {
     "int32": torch.int32, "int": torch.int32, "int64": torch.int64, "uint8": torch.uint8,
 }
 OPS = {"sum": "SUM", "prod": "PRODUCT", "product": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}
-
-
-@dataclass
-class Row:
-    """One row of a bench: a registry algorithm, or an external anchor (mpi)."""
-
-    name: str
-    call: Callable[[torch.Tensor, Op], None]
-
-
-def registry_rows(names: list[str], device_type: str) -> list[Row]:
-    rows = []
-    for n in names:
-        if device_type not in algorithms.get(n).devices:
-            continue
-        rows.append(Row(n, lambda t, op, n=n: commlab.all_reduce(t, op=op, algorithm=n)))
-    return rows
-
-
-def mpi_row(dtype: torch.dtype, device_type: str = "cpu") -> Row | None:
-    """MPI_Allreduce through mpi4py, as an external anchor in the same run; only when
-    mpiexec launched us (importing mpi4py elsewhere makes a 1-rank MPI world)."""
-    if launch.active().kind != "mpi" or dtype in (torch.float16, torch.bfloat16):
-        return None
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return None
-    comm = MPI.COMM_WORLD
-    if comm.Get_size() != dist.get_world_size():
-        return None
-    mpi_ops = {Op.SUM: MPI.SUM, Op.AVG: MPI.SUM, Op.PRODUCT: MPI.PROD, Op.MIN: MPI.MIN, Op.MAX: MPI.MAX}
-
-    def call(t: torch.Tensor, op: Op) -> None:
-        comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=mpi_ops[op])
-        if op is Op.AVG:
-            finish_average_(t, comm.Get_size())
-
-    def staged(t: torch.Tensor, op: Op) -> None:
-        # mpi4py takes host buffers (a CUDA-aware MPI is not assumed): through the host.
-        host = t.cpu()
-        call(host, op)
-        t.copy_(host)
-
-    if device_type == "cuda":
-        return Row("mpi:host-staged", staged)
-    return Row("mpi", call)
 
 
 def check_input(rank: int, count: int, dtype: torch.dtype, op: Op, device) -> torch.Tensor:
@@ -114,10 +65,9 @@ def run_bench(args) -> dict | None:
     names = algorithms.names() if args.algorithms == "all" else [a.strip() for a in args.algorithms.split(",")]
     for n in names:
         algorithms.get(n)  # unknown names fail here, on every rank alike
-    rows = registry_rows(names, device.type)
-    anchor = mpi_row(dtype, device.type)
-    if anchor is not None:
-        rows.append(anchor)
+    rows = registry_rows(names, device)
+    anchors, anchor_notes = anchor_rows(args.anchors, dtype, op, device)
+    rows += anchors
     sizes = size_list(args)
     env = envinfo.collect(device)
     env["gamma_us_per_byte"] = costmodel.measure_gamma_us_per_byte(dtype, device)
@@ -141,7 +91,7 @@ def run_bench(args) -> dict | None:
         for _ in range(clock.rounds):
             for row in rows:
                 progress.step(f"{row.name} {format_bytes(count * dtype.itemsize)}")
-                clock.round(row.name, lambda: row.call(buf, op))
+                clock.round(row.name, lambda: row.call(buf, op), row.barrier)
                 buf.fill_(fill)
         for row in rows:
             t = clock.result(row.name)
@@ -161,6 +111,12 @@ def run_bench(args) -> dict | None:
                 "p50_us": t.median_us, "p10_us": t.p10_us, "p90_us": t.p90_us, "iters": t.iters,
             })
     progress.done()
+    for row in rows:
+        row.close()
+    env["anchors"] = {row.name: row.about for row in anchors}
+    env["anchors_missing"] = anchor_notes
+    env["timing"] = "isolated calls after a tight barrier of each row's transport" if args.blocking else \
+        "back-to-back calls (nccl-tests' loop time)"
     return {"env": env, "results": results} if rank == 0 else None
 
 
@@ -226,6 +182,12 @@ def report(doc: dict) -> str:
                      f"gamma {f.gamma_us_per_byte * 1e3:7.4f} ns/B  fit error median {f.median_rel_err * 100:.1f}% "
                      f"max {f.max_rel_err * 100:.1f}%")
     lines.extend(floor_lines(results, env))
+    for name, about in env.get("anchors", {}).items():
+        lines.append(f"# anchor {name}: {about}")
+    for note in env.get("anchors_missing", []):
+        lines.append(f"# anchor not run: {note}")
+    if "timing" in env:
+        lines.append(f"# timing: {env['timing']}")
     wrong = sum(r["wrong"] for r in results if r["wrong"] > 0)
     lines.append(f"# out of bounds values: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     return "\n".join(lines)
@@ -290,7 +252,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPES))
     ap.add_argument("-o", "--op", default="sum", choices=sorted(OPS))
     ap.add_argument("--algorithms", default="all", help="comma list of registered algorithms, or all")
-    ap.add_argument("--blocking", action="store_true", help="barrier and time each call separately")
+    ap.add_argument("--blocking", action="store_true",
+                    help="isolated calls: each starts from a tight barrier made of the row's own transport (a "
+                         "one-element all-reduce through it; MPI_Barrier for MPI) and is timed alone")
+    ap.add_argument("--anchors", default="all",
+                    help="external peers measured in the same run: all (what can run here), none, or a comma list "
+                         "of mpi (MPICH or Open MPI through mpi4py, under mpiexec) and deepspeed (its CPU shm all-reduce)")
     ap.add_argument("--budget", type=float, default=0.25, help="seconds of timing per size and algorithm")
     ap.add_argument("--max-iters", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3,

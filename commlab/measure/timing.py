@@ -102,13 +102,15 @@ class Interleaved:
         total = agree_min(total, self.device)
         return max(1, -(-total // self.rounds))
 
-    def round(self, key, call: Callable[[], None]) -> None:
-        """Time one round of `call`, under the name `key`."""
+    def round(self, key, call: Callable[[], None], barrier: Callable[[], None] | None = None) -> None:
+        """Time one round of `call`, under the name `key`; with blocking, every call
+        starts right after `barrier` (default: the group's barrier)."""
         if key not in self._per_round:
             self._per_round[key] = self._plan(call)
             self._durations[key] = []
             self._total_us[key] = 0.0
-        durations, total = _timed(call, self.clock, self._per_round[key], self.blocking, self.device)
+        durations, total = _timed(call, self.clock, self._per_round[key], self.blocking, self.device,
+                                  barrier or dist.barrier)
         self._durations[key].extend(durations)
         self._total_us[key] += total
 
@@ -118,13 +120,16 @@ class Interleaved:
                       percentile(worst, 0.9), len(worst))
 
 
-def _timed(call: Callable[[], None], clock: Clock, iters: int, blocking: bool, device) -> tuple[list[float], float]:
+def _timed(call: Callable[[], None], clock: Clock, iters: int, blocking: bool, device,
+           barrier: Callable[[], None] = dist.barrier) -> tuple[list[float], float]:
     """Per-iteration durations, each the slowest rank's, and the slowest rank's total."""
     dist.barrier()
     if blocking:
         durations = []
         for _ in range(iters):
-            dist.barrier()
+            # The transport's own barrier: gloo's releases 4 ranks on 2 cores milliseconds
+            # apart, and a call timed after it would measure that skew.
+            barrier()
             start = clock.mark()
             call()
             durations.extend(clock.durations_us([start, clock.mark()]))
