@@ -44,6 +44,7 @@ class Context:
 
     info: GroupInfo
     p2p: P2P
+    transport: object = None  # an algorithm's per-group transport state, cached by the algorithm itself
 
     @property
     def rank(self) -> int:

@@ -33,7 +33,9 @@ class SharedMemory(Algorithm):
         return shm.unsupported(info)
 
     def run(self, buf, op, ctx):
-        shm.all_reduce(buf, int(op), self.mode, ctx.info, self.name)
+        if ctx.transport is None:  # the group's shared-memory entry, looked up once per plan
+            ctx.transport = shm.state_of(ctx.info)
+        shm.all_reduce(buf, op, self.mode, ctx.info, self.name, ctx.transport)
 
 
 ALGORITHM = SharedMemory()

@@ -40,7 +40,9 @@ class GroupInfo:
 
     def alive(self) -> bool:
         g = self.ref()
-        return g is not None and g in dist.distributed_c10d._world.pg_map
+        # torch's registry of live groups: one dict, only ever mutated (clear, del),
+        # so holding it saves a property call on every collective.
+        return g is not None and g in _LIVE_GROUPS
 
     def global_rank(self, group_rank: int) -> int:
         return self.global_ranks[group_rank]
@@ -94,6 +96,7 @@ class PerGroup:
             self._release(item[1])
 
 
+_LIVE_GROUPS = dist.distributed_c10d._world.pg_map if dist.is_available() else {}
 _infos = PerGroup(lambda g: _lookup(g))
 
 

@@ -62,5 +62,9 @@ def collect(device: torch.device) -> dict:
     return env
 
 
+# Reported in the footer, next to the results they explain.
+FOOTER_KEYS = ("anchors", "anchors_missing", "timing", "group_bandwidth_gbps", "group_bandwidth_fast_gbps")
+
+
 def header_lines(env: dict) -> list[str]:
-    return [f"# {k}: {v}" for k, v in env.items()]
+    return [f"# {k}: {v}" for k, v in env.items() if k not in FOOTER_KEYS]

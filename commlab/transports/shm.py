@@ -116,8 +116,15 @@ def unsupported(info: GroupInfo) -> str | None:
     return None
 
 
-def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm: str) -> None:
-    entry = _entries.get(info.group)
+def state_of(info: GroupInfo) -> Entry:
+    """The group's shared-memory state (held for the group's lifetime)."""
+    return _entries.get(info.group)
+
+
+def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm: str,
+               entry: Entry | None = None) -> None:
+    if entry is None:
+        entry = _entries.get(info.group)
     with entry.lock:
         comm = entry.comm
         if comm is None:
