@@ -239,3 +239,19 @@ def test_memory_floor_takes_the_larger_bound():
     assert costmodel.memory_floor_us(t, 1.0, 10.0) == pytest.approx(2000.0)
     # tensor at 10 GB/s: 200 us; all at 2 GB/s: 2500 us -> 2500
     assert costmodel.memory_floor_us(t, 10.0, 2.0) == pytest.approx(2500.0)
+
+
+def test_deepspeed_anchor_is_checked_and_leaves_nothing_behind(tmp_path):
+    """DeepSpeed's CPU shared-memory all-reduce as a row of the same run (when installed):
+    its results are checked like commlab's, and its segments, which it never unlinks,
+    are gone afterwards."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "r.json"
+    proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "2", "-b", "4K", "-e", "64K", "-f", "4",
+                 "--algorithms", "shm", "--anchors", "deepspeed", "--budget", "0.05", "--json", str(out)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    ds = [r for r in doc["results"] if r["algorithm"] == "deepspeed_shm"]
+    assert len(ds) == 3 and all(r["wrong"] == 0 for r in ds), ds
+    assert "SUM" in doc["env"]["anchors"]["deepspeed_shm"]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer")]
