@@ -252,62 +252,47 @@ class RankPool:
         returns each rank's Outcome (never raises for a rank's failure) and retires
         the pool."""
         self.submit(fn, *args, **kwargs)
-        out: dict[int, Outcome] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while len(out) < len(self._ranks) and (deadline is None or time.monotonic() < deadline):
-            try:
-                rank, status, payload = self._outq.get(timeout=0.2)
-            except queue.Empty:
-                if all(not p.is_alive() for r, p in self._procs.items() if r not in out):
-                    break
-                continue
-            if status == "ok":
-                out[rank] = Outcome("ok", result=payload)
-            elif status == "error":
-                out[rank] = Outcome("error", error=payload[0], error_type=payload[1])
-        missing = [r for r in self._ranks if r not in out]
-        stacks = self._stacks([r for r in missing if self._procs[r].is_alive()])
-        for r in missing:
-            out[r] = Outcome("missing", error=stacks.get(r, ""), alive=self._procs[r].is_alive())
+        out = self._gather("ok", timeout, stop_after_error=False)
         self.close()
         return out
 
     def _collect(self, what: str, timeout: float | None, expect: str) -> list:
-        results: dict[int, object] = {}
-        errors: dict[int, str] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while len(results) + len(errors) < len(self._ranks):
-            left = None if deadline is None else deadline - time.monotonic()
-            if errors:
-                # Peers of a failed rank usually block until the group's timeout; their
-                # errors add nothing, the first traceback is the story.
-                left = 2.0 if left is None else min(left, 2.0)
+        out = self._gather(expect, timeout, stop_after_error=True)
+        if any(o.status != "ok" for o in out.values()):
+            self.close()
+            raise RankFailure(f"{what} on {self.world_size} ranks failed (deadline {timeout}s)\n"
+                              + report_failures(out))
+        return [out[r].result for r in self._ranks]
+
+    def _gather(self, expect: str, timeout: float | None, stop_after_error: bool) -> dict[int, Outcome]:
+        """Every spawned rank's Outcome for the message `expect` ("ready" or "ok"): what it
+        sent by the deadline, else "missing" with its stacks. With stop_after_error it
+        waits only 2 s more once a rank failed: peers of a failed rank usually block
+        until the group's timeout, and the first traceback is the story."""
+        out: dict[int, Outcome] = {}
+        end = None if timeout is None else time.monotonic() + timeout
+        while len(out) < len(self._ranks):
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                break
             try:
-                rank, status, payload = self._outq.get(timeout=1.0 if left is None else max(min(left, 1.0), 0.01))
+                rank, status, payload = self._outq.get(timeout=0.2 if left is None else min(left, 0.2))
             except queue.Empty:
-                if (left is not None and left <= 0.01) or errors:
-                    break
-                if all(not p.is_alive() for r, p in self._procs.items() if r not in results and r not in errors):
+                if all(not p.is_alive() for r, p in self._procs.items() if r not in out):
                     break
                 continue
             if status == expect:
-                results[rank] = payload
-            else:
-                errors[rank] = payload[0] if isinstance(payload, tuple) else str(payload)
-        if errors or len(results) < len(self._ranks):
-            missing = [r for r in self._ranks if r not in results and r not in errors]
-            alive = {r: self._procs[r].is_alive() for r in missing}
-            stacks = self._stacks([r for r in missing if alive[r]])
-            self.close()
-            lines = [f"{what} on {self.world_size} ranks failed"]
-            if missing:
-                lines.append(f"no answer within {timeout}s from rank(s) {missing} (alive: {alive})")
-            for r, text in stacks.items():
-                lines.append(f"--- rank {r} (no answer): where it is ---\n{text}")
-            for r in sorted(errors):
-                lines.append(f"--- rank {r} ---\n{errors[r]}")
-            raise RankFailure("\n".join(lines))
-        return [results[r] for r in self._ranks]
+                out[rank] = Outcome("ok", result=payload)
+                continue
+            out[rank] = Outcome("error", error=payload[0], error_type=payload[1])
+            if stop_after_error:
+                grace = time.monotonic() + 2.0
+                end = grace if end is None else min(end, grace)
+        missing = [r for r in self._ranks if r not in out]
+        stacks = self._stacks([r for r in missing if self._procs[r].is_alive()])
+        for r in missing:
+            out[r] = Outcome("missing", error=stacks.get(r, ""), alive=self._procs[r].is_alive())
+        return out
 
     def _stacks(self, ranks) -> dict[int, str]:
         """Every thread's stack of each given (live) rank, through faulthandler."""

@@ -17,6 +17,7 @@ import commlab
 from commlab import algorithms
 from commlab.core.reduction import Op, finish_average_
 from commlab.measure import launch
+from commlab.measure.timing import agree_min
 
 
 @dataclass
@@ -113,7 +114,7 @@ def deepspeed_row(dtype: torch.dtype, op: Op, device) -> Row | str:
     except Exception as e:  # noqa: BLE001 - an optional peer: say why it is missing
         why = f"deepspeed_shm: deepspeed is not usable here ({type(e).__name__}: {e})"[:200]
     # Its setup waits for every rank's segment forever: start it only where all can.
-    if not _everyone(why is None):
+    if not agree_min(int(why is None), device):
         return why or "deepspeed_shm: not usable on every rank"
     module.initialize(world, rank)
     prefix = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_" \
@@ -133,12 +134,6 @@ def deepspeed_row(dtype: torch.dtype, op: Op, device) -> Row | str:
     about = f"DeepSpeed {deepspeed.__version__} CPU shared-memory all-reduce; serves SUM (and AVG) of float32, " \
             "float16, bfloat16"
     return Row("deepspeed_shm", call, _barrier_of(call, device), close, about)
-
-
-def _everyone(ok: bool) -> bool:
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 ANCHORS = {"mpi": mpi_row, "deepspeed": deepspeed_row}

@@ -60,7 +60,8 @@ class Clock:
 
 
 def agree_min(value: int, device: torch.device) -> int:
-    """Every rank must run the same number of iterations."""
+    """The smallest value any rank has (every rank must run the same number of
+    iterations; every rank must be able to start a peer)."""
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())

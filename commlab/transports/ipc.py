@@ -192,11 +192,7 @@ def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm
                 pid = entry.pids[lost]
                 error = PeerError(f"{error} [rank {info.global_rank(lost)} is pid {pid}, "
                                   f"{'alive' if _alive(pid) else 'dead'}]", algorithm=algorithm, peer=error.peer)
-            entry.fail(CommlabError(f"commlab[{algorithm}]: this group's CUDA IPC is unusable after: "
-                                    f"{error if error is not None else repr(e)}"))
-            if error is None:
-                raise  # KeyboardInterrupt and friends, as raised
-            raise error from None
+            raise entry.call_failed("CUDA IPC", algorithm, error, e) from None
 
 
 def _staged(buf: torch.Tensor, op: int, info: GroupInfo, algorithm: str) -> None:

@@ -47,6 +47,14 @@ class Entry:
         self.failure = error
         return error
 
+    def call_failed(self, what: str, algorithm: str, error: CommlabError | None,
+                    original: BaseException) -> BaseException:
+        """Remember that a call failed (every later call raises it again); returns what to
+        raise: commlab's error, or the original (KeyboardInterrupt and friends)."""
+        self.fail(CommlabError(f"commlab[{algorithm}]: this group's {what} is unusable after: "
+                               f"{error if error is not None else repr(original)}"))
+        return error if error is not None else original
+
     def raise_failure(self) -> None:
         if self.failure is not None:
             raise copy.copy(self.failure)  # a fresh instance each time, same type and text

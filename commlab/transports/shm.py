@@ -135,13 +135,9 @@ def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm
             # A failed call leaves peers at unknown phases: the communicator is done (its
             # peers read our abort mark from their own mappings of our segment).
             entry.comm = None
-            error = translate(e, algorithm, comm.failed_peer)
-            entry.fail(CommlabError(f"commlab[{algorithm}]: this group's shared memory is unusable after: "
-                                    f"{error if error is not None else repr(e)}"))
+            raised = entry.call_failed("shared memory", algorithm, translate(e, algorithm, comm.failed_peer), e)
             comm.close()
-            if error is None:
-                raise  # KeyboardInterrupt and friends, as raised
-            raise error from None
+            raise raised from None
 
 
 def _ready(entry: Entry, info: GroupInfo, algorithm: str):

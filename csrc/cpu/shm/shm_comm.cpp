@@ -21,6 +21,7 @@
 
 #include "../../common/errors.h"
 #include "../../common/fork.h"
+#include "../../common/signals.h"
 #include "../reduce/reduce_n.h"
 
 namespace commlab {
@@ -102,12 +103,6 @@ int64_t now_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
-}
-
-// Python runs signal handlers on the main thread only (its tid is the pid on Linux).
-bool on_main_thread() {
-  thread_local const bool main = syscall(SYS_gettid) == getpid();
-  return main;
 }
 
 std::string errno_text(const std::string& what) {
@@ -334,11 +329,10 @@ bool ShmComm::peer_alive(int peer) const {
   return true;  // EWOULDBLOCK: still held (any other error: no evidence of death)
 }
 
-namespace {
-
-// Marks `seg` aborted (first reason wins) and wakes every waiter of every segment, so
-// ranks sleeping on any peer look at the abort words at once.
-void mark_aborted(Layout* own, const std::vector<Layout*>& all, uint32_t kind, int64_t cause, const std::string& why) {
+// Marks our segment aborted (the first reason wins) and wakes every waiter of every
+// segment, so ranks sleeping on any peer look at the abort words at once.
+void ShmComm::mark_aborted(uint32_t kind, int64_t cause, const std::string& why) {
+  Layout* own = segs_[rank_]->ctl();
   uint32_t expected = 0;
   if (own->abort.claimed.compare_exchange_strong(expected, 1)) {
     const size_t n = std::min<size_t>(why.size(), kReasonBytes - 1);
@@ -347,22 +341,23 @@ void mark_aborted(Layout* own, const std::vector<Layout*>& all, uint32_t kind, i
     own->abort.word.store((static_cast<uint64_t>(kind) << 32) | static_cast<uint64_t>(cause + 1),
                           std::memory_order_release);
   }
-  for (Layout* l : all) {
+  for (auto* s : segs_) {
+    Layout* l = s->ctl();
     l->wake.word.fetch_add(1, std::memory_order_seq_cst);
     futex(&l->wake.word, FUTEX_WAKE, INT_MAX, nullptr);
   }
 }
 
-}  // namespace
+[[noreturn]] void ShmComm::fail(uint32_t kind, int64_t lost, const std::string& msg) {
+  broken_ = msg;
+  failed_peer_ = lost;
+  if (kind == kMismatch) throw MismatchError(msg);
+  throw PeerLostError(msg);
+}
 
-[[noreturn]] void ShmComm::give_up(uint32_t kind, int64_t cause, const std::string& why, int peer_of_record) {
-  std::vector<Layout*> all;
-  for (auto* s : segs_) all.push_back(s->ctl());
-  mark_aborted(segs_[rank_]->ctl(), all, kind, cause, why);
-  broken_ = why;
-  failed_peer_ = peer_of_record;
-  if (kind == kMismatch) throw MismatchError(why);
-  throw PeerLostError(why);
+[[noreturn]] void ShmComm::give_up(uint32_t kind, int64_t cause, const std::string& why) {
+  mark_aborted(kind, cause, why);
+  fail(kind, cause, why);
 }
 
 [[noreturn]] void ShmComm::relay(int peer) {
@@ -377,13 +372,8 @@ void mark_aborted(Layout* own, const std::vector<Layout*>& all, uint32_t kind, i
           std::to_string(global_ranks_[peer]) + " gave up: " + reason;
   }
   // Pass the original reason on: ranks that wait on this one learn the first cause.
-  std::vector<Layout*> all;
-  for (auto* s : segs_) all.push_back(s->ctl());
-  mark_aborted(segs_[rank_]->ctl(), all, kind, cause, reason);
-  broken_ = msg;
-  failed_peer_ = cause >= 0 ? cause : global_ranks_[peer];
-  if (kind == kMismatch) throw MismatchError(msg);
-  throw PeerLostError(msg);
+  mark_aborted(kind, cause, reason);
+  fail(kind, cause >= 0 ? cause : global_ranks_[peer], msg);
 }
 
 void ShmComm::check_aborts() {
@@ -393,19 +383,15 @@ void ShmComm::check_aborts() {
 }
 
 void ShmComm::check_signals() {
-  if (!on_main_thread()) return;
-  pybind11::gil_scoped_acquire gil;
-  if (PyErr_CheckSignals() == 0) return;
+  auto raised = pending_signal();
+  if (!raised) return;
   // A handler raised (KeyboardInterrupt on Ctrl-C): tell the peers, then let it out.
-  pybind11::error_already_set raised;
   const std::string why = "commlab shm: rank " + std::to_string(global_ranks_[rank_]) +
-                          " was interrupted by a signal (its handler raised " + std::string(raised.what()).substr(0, 80) +
+                          " was interrupted by a signal (its handler raised " + std::string(raised->what()).substr(0, 80) +
                           ")";
-  std::vector<Layout*> all;
-  for (auto* s : segs_) all.push_back(s->ctl());
-  mark_aborted(segs_[rank_]->ctl(), all, kInterrupted, global_ranks_[rank_], why);
+  mark_aborted(kInterrupted, global_ranks_[rank_], why);
   broken_ = why;
-  throw raised;
+  throw *raised;
 }
 
 [[noreturn]] void ShmComm::fail_wait(int peer, uint64_t target, uint32_t kind, const char* why) {
@@ -416,7 +402,7 @@ void ShmComm::check_signals() {
       << l->header.pid << ", " << (kind == kDead ? "dead" : "alive") << "): " << why << "; it reached piece "
       << (seen >> 2) << " phase " << (seen & 3) << ", this rank needs piece " << (target >> 2) << " phase "
       << (target & 3);
-  give_up(kind, global_ranks_[peer], msg.str(), global_ranks_[peer]);
+  give_up(kind, global_ranks_[peer], msg.str());
 }
 
 void ShmComm::wait_for(int peer, uint64_t target) {
@@ -520,7 +506,7 @@ void ShmComm::check_info(int peer, uint64_t piece_seq) {
   describe(msg, me_first ? global_ranks_[rank_] : global_ranks_[peer], me_first ? mine : theirs);
   msg << "; ";
   describe(msg, me_first ? global_ranks_[peer] : global_ranks_[rank_], me_first ? theirs : mine);
-  give_up(kMismatch, global_ranks_[peer], msg.str(), global_ranks_[peer]);
+  give_up(kMismatch, global_ranks_[peer], msg.str());
 }
 
 void ShmComm::piece(char* dst, const char* src, int64_t total, int64_t index, int64_t nbytes, int64_t elsize,
@@ -626,9 +612,7 @@ void ShmComm::allreduce(const torch::Tensor& t, int64_t op, int64_t mode) {
   } catch (const std::exception& e) {
     // Anything else mid-call still leaves peers waiting on this rank: tell them.
     const std::string why = "commlab shm: rank " + std::to_string(global_ranks_[rank_]) + " failed: " + e.what();
-    std::vector<Layout*> all;
-    for (auto* s : segs_) all.push_back(s->ctl());
-    mark_aborted(segs_[rank_]->ctl(), all, kError, global_ranks_[rank_], why);
+    mark_aborted(kError, global_ranks_[rank_], why);
     broken_ = why;
     throw;
   }

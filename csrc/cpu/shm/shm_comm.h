@@ -64,7 +64,9 @@ class ShmComm {
   void wait_for(int peer, uint64_t target);
   void wait_seq(int peer, uint64_t target);
   void check_signals();
-  [[noreturn]] void give_up(uint32_t kind, int64_t lost, const std::string& why, int peer_of_record);
+  void mark_aborted(uint32_t kind, int64_t cause, const std::string& why);
+  [[noreturn]] void fail(uint32_t kind, int64_t lost, const std::string& msg);
+  [[noreturn]] void give_up(uint32_t kind, int64_t cause, const std::string& why);
   [[noreturn]] void relay(int peer);
   void check_aborts();
   void write_info(uint64_t piece_seq, int64_t total, int64_t index, int64_t nbytes, int dtype, int op, int mode);

@@ -8,9 +8,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -21,6 +18,7 @@
 
 #include "../../common/errors.h"
 #include "../../common/fork.h"
+#include "../../common/signals.h"
 #include "../../common/torch_codes.h"
 #include "ipc_kernels.h"
 
@@ -239,13 +237,8 @@ void IpcComm::wait_done(cudaStream_t stream) {
 }
 
 void IpcComm::stop_if_signalled() {
-  if (syscall(SYS_gettid) != getpid()) return;  // Python runs signal handlers on the main thread only
-  std::unique_ptr<pybind11::error_already_set> raised;
-  {
-    pybind11::gil_scoped_acquire gil;
-    if (PyErr_CheckSignals() == 0) return;
-    raised = std::make_unique<pybind11::error_already_set>();
-  }
+  auto raised = pending_signal();
+  if (!raised) return;
   // Stop our kernels (they watch our abort word at every barrier); peers see the same
   // word and give up too, naming this rank as interrupted.
   *abort_host_ = ipc::kAbortInterrupted | (rank_ + 1);
