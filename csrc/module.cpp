@@ -5,6 +5,7 @@
 #include "common/errors.h"
 #include "common/codes.h"
 #include "cpu/reduce/reduce_n.h"
+#include "cpu/shm/handoff.h"
 #include "cpu/shm/shm_comm.h"
 #ifdef COMMLAB_WITH_CUDA
 #include "cuda/ipc/ipc_comm.h"
@@ -65,6 +66,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("codes", &commlab::codes, "common/codes.h as a dict, for the Python mirrors' consistency test");
   m.def("simd_level", &commlab::simd_level, "instruction set the CPU reduction loop uses");
   m.def("simd_levels", &commlab::simd_levels, "instruction sets this CPU supports");
+  m.def("handoff_pingpong_ns", &commlab::handoff_pingpong_ns, pybind11::arg("name"), pybind11::arg("initiator"),
+        pybind11::arg("iters"), pybind11::arg("yield_"), pybind11::arg("timeout_ms"),
+        pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "one cache line ping-ponged between two processes through segment `name`; the initiator's ns for all");
+  m.def("hot_copy_ns", &commlab::hot_copy_ns, pybind11::arg("nbytes"), pybind11::arg("iters"),
+        pybind11::call_guard<pybind11::gil_scoped_release>(), "best ns of one memcpy of nbytes, cache-hot");
   m.def("set_simd_level", &commlab::set_simd_level, "choose scalar, avx2 or avx512 (benchmarks)");
   m.def("reduce_n", &commlab::reduce_n, pybind11::arg("out"), pybind11::arg("inputs"),
         pybind11::arg("op"),
@@ -84,6 +91,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("close", &commlab::ShmComm::close)
       .def("allreduce", &commlab::ShmComm::allreduce, pybind11::arg("tensor"), pybind11::arg("op"),
            pybind11::arg("mode"), "in place; mode 0 auto, 1 one-shot, 2 two-shot, 3 root reduces")
+      .def("try_allreduce", &commlab::ShmComm::try_allreduce, pybind11::arg("tensor"), pybind11::arg("op"),
+           pybind11::arg("mode"), pybind11::arg("dtype"),
+           "allreduce() if the tensor is a contiguous CPU tensor of scalar type `dtype` (else False, untouched)")
+      .def_static("dtype_code", [](const torch::Tensor& t) { return static_cast<int64_t>(t.scalar_type()); },
+                  "the scalar-type code try_allreduce compares against")
       .def("segment_name", &commlab::ShmComm::segment_name)
       .def_static("unlink_names", &commlab::ShmComm::unlink_names, pybind11::arg("token_hex"), pybind11::arg("world"),
                   "remove every rank's segment name of a group; returns how many existed")

@@ -241,6 +241,37 @@ def test_memory_floor_takes_the_larger_bound():
     assert costmodel.memory_floor_us(t, 10.0, 2.0) == pytest.approx(2500.0)
 
 
+def test_small_message_floor_is_measured_and_below_every_row(tmp_path):
+    """The 4 KiB floor (handoff + copy, + a switch per extra rank on a core) is measured
+    in the run, every row's time is a multiple >= 1 of it, and the ping-pong segments
+    are gone afterwards."""
+    out = tmp_path / "r.json"
+    proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "4", "-b", "4K", "-e", "64K", "-f", "16",
+                 "--algorithms", "shm,builtin", "--anchors", "none", "--budget", "0.1", "--rounds", "1",
+                 "--json", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = json.loads(out.read_text())["env"]
+    h = env["handoffs"]
+    assert 0 < h["handoff_us"] < 1000 and h["ranks_per_core"] == 2 and 0 < h["switch_us"] < 1000, h
+    assert set(env["hot_copy_us"]) == {str(4 << 10), str(64 << 10)}
+    lines = [line for line in proc.stdout.splitlines() if ": floor" in line and "switch" in line]
+    assert len(lines) == 2, proc.stdout
+    ratios = [float(x.rsplit(" ", 1)[1].rstrip("x")) for line in lines for x in line.split(";  ")[1].split(", ")]
+    assert len(ratios) == 4 and all(r >= 1 for r in ratios), lines
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("commlab-handoff")]
+
+
+def test_small_message_floor_arithmetic():
+    from commlab.measure.bench import small_floor_lines
+
+    env = {"handoffs": {"handoff_us": 0.5, "switch_us": 2.0, "ranks_per_core": 3}, "hot_copy_us": {"4096": 0.25}}
+    rows = [{"algorithm": "a", "bytes": 4096, "time_us": 9.0}, {"algorithm": "b", "bytes": 4096, "time_us": 4.5}]
+    lines = small_floor_lines(rows, env)
+    # 0.5 + 0.25 + (3 - 1) * 2.0 = 4.75
+    assert "floor   4.75 us = handoff 0.50 + copy 0.25 + 2 x switch 2.00;  b 0.9x, a 1.9x" in lines[1], lines
+    assert small_floor_lines(rows, {"handoffs": None, "hot_copy_us": {"4096": 0.25}}) == []
+
+
 def test_deepspeed_anchor_is_checked_and_leaves_nothing_behind(tmp_path):
     """DeepSpeed's CPU shared-memory all-reduce as a row of the same run (when installed):
     its results are checked like commlab's, and its segments, which it never unlinks,

@@ -39,6 +39,63 @@ def test_tensors_larger_than_the_buffers(ranks, algorithm):
         assert not res[:-1], res
 
 
+def fast_and_slow(rank, p, algorithm, env):
+    """After a first call, calls like it skip the algorithm's run (one transport call);
+    anything else takes the long way and is still right."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    from commlab.core import api
+    alg = commlab.get_algorithm(algorithm)
+    runs = []
+    real_run = type(alg).run
+    alg.run = lambda buf, op, ctx: (runs.append(buf.numel()), real_run(alg, buf, op, ctx))
+    try:
+        x = torch.full((1000,), float(rank + 1))
+        commlab.all_reduce(x, algorithm=algorithm)  # plans the call (and sets shm up)
+        out = {"first": runs[:], "fast": api._fast.get((algorithm, id(dist.ReduceOp.SUM), id(None))) is not None}
+        want = float(p * (p + 1) // 2)
+        ok = [torch.equal(x, torch.full_like(x, want))]
+        del runs[:]
+        for k in range(3):
+            x.fill_(rank + 1 + k)
+            commlab.all_reduce(x, algorithm=algorithm)
+            ok.append(torch.equal(x, torch.full_like(x, want + p * k)))
+        out["like calls"] = runs[:]
+        del runs[:]
+        others = [torch.full((40, 30), float(rank + 1)).t(),  # not contiguous
+                  torch.full((1000,), float(rank + 1), dtype=torch.float64),  # another dtype
+                  torch.zeros(0)]  # empty
+        for y in others:
+            commlab.all_reduce(y, algorithm=algorithm)
+            ok.append(torch.equal(y, torch.full_like(y, want)))
+        out["other calls"] = runs[:]
+        out["ok"] = ok
+        return out
+    finally:
+        del alg.run
+        api._plans.clear()  # plans made under this env would outlive it
+        api._fast.clear()
+        for k, v in saved.items():  # the pool's ranks live on into other tests
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
+@pytest.mark.parametrize("algorithm", SHM_ALGORITHMS)
+def test_fast_path_serves_like_calls_and_steps_aside_for_others(ranks, algorithm):
+    for got in ranks.run(3, fast_and_slow, algorithm, {}):
+        assert got["first"] == [1000] and got["fast"], got
+        assert got["like calls"] == [], got  # no Python layer below the API ran
+        assert got["other calls"] == [1200, 1000], got  # the empty call never reaches run
+        assert all(got["ok"]), got
+
+
+def test_checked_calls_never_take_the_fast_path(ranks):
+    for got in ranks.run(2, fast_and_slow, "shm", {"COMMLAB_CHECK": "1"}):
+        assert not got["fast"] and got["like calls"] == [1000] * 3 and all(got["ok"]), got
+
+
 def two_groups(rank, p):
     other = dist.new_group(list(range(p)))  # same ranks, a second communicator
     pair = dist.new_group([0, 1])

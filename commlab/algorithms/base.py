@@ -87,5 +87,12 @@ class Algorithm:
         buf.numel() > 0 and ctx.size > 1). Every rank must end bitwise identical."""
         raise NotImplementedError
 
+    def fast_call(self, tensor: torch.Tensor, op: Op, ctx: Context):
+        """For transports that can run a whole call below Python: a callable(tensor) ->
+        bool that reduces a tensor like `tensor` (same dtype and device, contiguous) in
+        place and returns True, or returns False having touched nothing. None: no such
+        path (the default); the API then always takes `run`."""
+        return None
+
     def __repr__(self) -> str:
         return f"<commlab algorithm {self.name!r}: {self.summary}>"

@@ -32,6 +32,20 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, *, algorithm: str = "ri
     """
     if not isinstance(tensor, torch.Tensor):
         raise UnsupportedError(f"commlab: all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
+    if not async_op:
+        # The fast path: a blocking call like one already planned runs in one transport
+        # call (a 4 KiB shm call spent ~1.5 us in the layers below before it existed).
+        try:
+            plan = _fast.get((algorithm, id(op), id(group)))
+        except TypeError:  # an unhashable algorithm name: let validation explain
+            plan = None
+        if plan is not None and plan.op_key is op and plan.live() and plan.lane.try_inline():
+            try:
+                done = plan.fast(tensor)
+            finally:
+                plan.lane.end_inline()
+            if done:
+                return None
     plan = _plan(tensor, op, group, algorithm)
     if not async_op and plan.lane.try_inline():
         try:
@@ -57,6 +71,7 @@ class _Plan:
         self.lane = lanes.lane(info.group)
         self.check = checking_enabled()
         self.op_key = op_key  # the caller's op object this plan is cached under
+        self.fast = None  # the algorithm's fast call, where it has one and the call allows it
 
     def live(self) -> bool:
         return self.info.alive()
@@ -98,6 +113,9 @@ def _check_match(plan: _Plan, tensor: torch.Tensor) -> None:
 
 
 _plans: dict[tuple, _Plan] = {}
+# (algorithm, op, group) -> the latest plan with a fast call: its call checks the rest
+# (dtype, device, layout) itself, so the key is three cheap values.
+_fast: dict[tuple, _Plan] = {}
 _MAX_PLANS = 256
 
 
@@ -133,7 +151,13 @@ def _plan(tensor: torch.Tensor, op, group, algorithm: str) -> _Plan:
     if key is not None and (tensor.is_cpu or tensor.is_cuda):
         if len(_plans) >= _MAX_PLANS:  # ops built afresh for every call would each add one
             _plans.clear()
+            _fast.clear()
         _plans[key] = plan
+        # Checked calls, AVG's division and one-rank groups need the long way.
+        if not plan.check and not plan.average and info.size > 1:
+            plan.fast = alg.fast_call(tensor, core_op, plan.ctx)
+            if plan.fast is not None:
+                _fast[key[:3]] = plan
     return plan
 
 

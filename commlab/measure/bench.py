@@ -79,6 +79,11 @@ def run_bench(args) -> dict | None:
         env["group_bandwidth_gbps"] = {str(n): costmodel.measure_group_bandwidth_gbps(n)
                                        for n in sizes if n >= FLOOR_MIN_BYTES}
         env["group_bandwidth_fast_gbps"] = costmodel.measure_group_bandwidth_gbps(costmodel.FAST_WORKING_SET)
+    if device.type == "cpu" and p > 1 and any(n < FLOOR_MIN_BYTES for n in sizes):
+        # Small calls' floor: one cache-line handoff, then the result written once.
+        env["handoffs"] = costmodel.measure_handoffs()
+        small = [n for n in sizes if n in SMALL_FLOOR_SIZES] or [min(sizes)]
+        env["hot_copy_us"] = {str(n): costmodel.hot_copy_us(n) for n in small}
     results = []
     progress = Progress(len(sizes) * len(rows) * max(1, args.rounds),
                         enabled=(rank == 0 and sys.stderr.isatty() and not args.quiet))
@@ -182,6 +187,7 @@ def report(doc: dict) -> str:
                      f"gamma {f.gamma_us_per_byte * 1e3:7.4f} ns/B  fit error median {f.median_rel_err * 100:.1f}% "
                      f"max {f.max_rel_err * 100:.1f}%")
     lines.extend(floor_lines(results, env))
+    lines.extend(small_floor_lines(results, env))
     for name, about in env.get("anchors", {}).items():
         lines.append(f"# anchor {name}: {about}")
     for note in env.get("anchors_missing", []):
@@ -220,6 +226,37 @@ def floor_lines(results: list[dict], env: dict) -> list[str]:
                       "bytes at the bandwidth each rank gets with all ranks streaming a working set of that size at "
                       "once, and all bytes at the bandwidth they get in 1 MiB working sets (best of read, copy and "
                       "in-place passes, slowest rank, measured in this run):")
+    return out
+
+
+SMALL_FLOOR_SIZES = (4 << 10, 64 << 10)  # where the footer compares rows with the small-message floor
+
+
+def small_floor_lines(results: list[dict], env: dict) -> list[str]:
+    """Every row's distance to the small-message floor: a one-way cache-line handoff
+    between two ranks (no rank can finish before it has seen a peer's flag), one
+    cache-hot copy of the message (the result is written at least once, after that)
+    and, where k ranks share a core, k-1 context switches (each must run in every call)."""
+    h, copies = env.get("handoffs"), env.get("hot_copy_us") or {}
+    if not h or not copies:
+        return []
+    switches = (h["ranks_per_core"] - 1) * h["switch_us"] if h.get("switch_us") is not None else 0.0
+    out = []
+    for size in sorted(int(n) for n in copies):
+        rows = sorted((r for r in results if r["bytes"] == size), key=lambda r: r["time_us"])
+        if not rows:
+            continue
+        copy = copies[str(size)]
+        floor = h["handoff_us"] + copy + switches
+        parts = f"handoff {h['handoff_us']:.2f} + copy {copy:.2f}" + \
+            (f" + {h['ranks_per_core'] - 1} x switch {h['switch_us']:.2f}" if switches else "")
+        out.append(f"#   {format_bytes(size):>5}: floor {floor:6.2f} us = {parts};  "
+                   + ", ".join(f"{r['algorithm']} {r['time_us'] / floor:.1f}x" for r in rows))
+    if out:
+        out.insert(0, "# small-message floor per call (measured in this run): one-way cache-line handoff between two "
+                      "ranks' processes (half the best ping-pong round trip) + one cache-hot copy of the message"
+                      + (" + a context switch per extra rank on a core (ping-pong pinned to one core)" if switches
+                         else "") + "; each row's time as a multiple of it:")
     return out
 
 

@@ -13,6 +13,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass
 
@@ -138,6 +139,65 @@ def measure_group_bandwidth_gbps(nbytes: int, group=None, trials: int = 3) -> fl
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             best = max(best, moved * reps / float(t.item()) / 1e9)
     return best
+
+
+def measure_handoffs(group=None, iters: int = 2000, trials: int = 5, timeout_s: float = 10.0) -> dict | None:
+    """Collective: what passing a cache line between two ranks' processes costs, from
+    ping-pongs through shared memory (rank 0 with each other rank in turn while the rest
+    wait; half the best round trip, in µs): `handoff_us` as the ranks run, and, where
+    ranks outnumber cores, `switch_us` with the pair pinned to one core (a yield-driven
+    context switch, the cheapest kind). Every rank gets the same values, or None if any
+    rank could not take part. No shared-memory all-reduce finishes before a peer has
+    seen a flag, and a core hosting k ranks must switch k-1 times per call."""
+    import torch
+    import torch.distributed as dist
+
+    from commlab.core import ext
+    from commlab.measure.timing import agree_min
+
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
+    if p < 2:
+        return None
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(p))
+    mine = sorted(os.sched_getaffinity(0))
+    facts = [None] * p
+    dist.all_gather_object(facts, mine, group=group)
+    cores = len(set().union(*map(set, facts)))
+    shared = p > cores  # then a waiter yields: its peer may need this very core
+    token = [os.urandom(8).hex() if rank == 0 else None]
+    dist.broadcast_object_list(token, src=ranks[0], group=group)
+    pin = facts[0][0]  # for the switch: both of a pair on rank 0's first CPU
+    best = {"handoff_us": float("inf"), "switch_us": float("inf")}
+    ok = 1
+    for kind in ("handoff_us", "switch_us") if shared else ("handoff_us",):
+        for peer in range(1, p):
+            for trial in range(trials):
+                if rank in (0, peer) and ok:
+                    try:
+                        if kind == "switch_us":
+                            os.sched_setaffinity(0, {pin})
+                        ns = ext.require().handoff_pingpong_ns(f"/commlab-handoff-{token[0]}-{kind[0]}{peer}-{trial}",
+                                                               rank == 0, iters, shared, int(timeout_s * 1000))
+                        best[kind] = min(best[kind], ns / iters / 2 / 1e3)
+                    except Exception:  # noqa: BLE001 - no floor rather than no benchmark
+                        ok = 0
+                    finally:
+                        os.sched_setaffinity(0, mine)
+                dist.barrier(group=group)
+    if not agree_min(ok, torch.device("cpu")):
+        return None
+    out = torch.tensor([best["handoff_us"], best["switch_us"] if shared else -1.0], dtype=torch.float64)
+    dist.broadcast(out, src=ranks[0], group=group)
+    return {"handoff_us": float(out[0]), "switch_us": float(out[1]) if shared else None,
+            "ranks_per_core": -(-p // cores)}
+
+
+def hot_copy_us(nbytes: int) -> float:
+    """The best time of one memcpy of nbytes between cache-hot buffers, in µs: the least
+    an all-reduce spends writing its result into the caller's tensor."""
+    from commlab.core import ext
+
+    return ext.require().hot_copy_ns(nbytes, max(100, (64 << 20) // max(nbytes, 1))) / 1e3
 
 
 def memory_floor_us(traffic, tensor_rate_gbps: float, fast_rate_gbps: float) -> float:

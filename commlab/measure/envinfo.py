@@ -63,7 +63,8 @@ def collect(device: torch.device) -> dict:
 
 
 # Reported in the footer, next to the results they explain.
-FOOTER_KEYS = ("anchors", "anchors_missing", "timing", "group_bandwidth_gbps", "group_bandwidth_fast_gbps")
+FOOTER_KEYS = ("anchors", "anchors_missing", "timing", "group_bandwidth_gbps", "group_bandwidth_fast_gbps",
+               "handoffs", "hot_copy_us")
 
 
 def header_lines(env: dict) -> list[str]:

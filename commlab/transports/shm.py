@@ -132,12 +132,38 @@ def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm
         try:
             comm.allreduce(buf, op, mode)
         except BaseException as e:
-            # A failed call leaves peers at unknown phases: the communicator is done (its
-            # peers read our abort mark from their own mappings of our segment).
-            entry.comm = None
-            raised = entry.call_failed("shared memory", algorithm, translate(e, algorithm, comm.failed_peer), e)
-            comm.close()
-            raise raised from None
+            raise _call_failed(entry, comm, e, algorithm) from None
+
+
+def fast_call(info: GroupInfo, op: int, mode: int, like: torch.Tensor, algorithm: str):
+    """all_reduce() for tensors like `like`, in one C++ call (the API's fast path for
+    small messages): False, touching nothing, for any other tensor, before setup, or
+    while another thread holds the group's communicator."""
+    entry = _entries.get(info.group)
+    lock = entry.lock
+    dtype = ext.require().ShmComm.dtype_code(like)
+
+    def call(tensor: torch.Tensor) -> bool:
+        if not lock.acquire(False):
+            return False
+        try:
+            comm = entry.comm
+            return comm is not None and comm.try_allreduce(tensor, op, mode, dtype)
+        except BaseException as e:
+            raise _call_failed(entry, comm, e, algorithm) from None
+        finally:
+            lock.release()
+
+    return call
+
+
+def _call_failed(entry: Entry, comm, error: BaseException, algorithm: str) -> BaseException:
+    """A failed call leaves peers at unknown phases: the communicator is done (its peers
+    read our abort mark from their own mappings of our segment). Returns what to raise."""
+    entry.comm = None
+    raised = entry.call_failed("shared memory", algorithm, translate(error, algorithm, comm.failed_peer), error)
+    comm.close()
+    return raised
 
 
 def _ready(entry: Entry, info: GroupInfo, algorithm: str):

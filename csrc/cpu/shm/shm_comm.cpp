@@ -581,6 +581,15 @@ void ShmComm::piece(char* dst, const char* src, int64_t total, int64_t index, in
   }
 }
 
+bool ShmComm::try_allreduce(const torch::Tensor& t, int64_t op, int64_t mode, int64_t dtype) {
+  // The API's fast path: anything unlike the plan's call goes the long way, untouched.
+  if (t.layout() != c10::kStrided || !t.device().is_cpu() || static_cast<int64_t>(t.scalar_type()) != dtype ||
+      !t.is_contiguous() || t.is_neg() || t.is_conj())
+    return false;
+  allreduce(t, op, mode);
+  return true;
+}
+
 void ShmComm::allreduce(const torch::Tensor& t, int64_t op, int64_t mode) {
   check_usable();  // before anything shared is touched (a forked child stops here)
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "commlab shm: needs a contiguous CPU tensor");

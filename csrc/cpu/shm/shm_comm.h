@@ -39,6 +39,9 @@ class ShmComm {
   void attach();      // map and validate every peer's segment
   void unlink_own();  // remove our name once every rank has mapped it
   void allreduce(const torch::Tensor& t, int64_t op, int64_t mode);
+  // allreduce() for a call like the plan's (CPU, strided, contiguous, this dtype); false, touching nothing,
+  // for any other tensor.
+  bool try_allreduce(const torch::Tensor& t, int64_t op, int64_t mode, int64_t dtype);
   void close();
 
   // Removes every rank's segment name of a group (after a failed setup: survivors
