@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import status_payload
+from ranks import RankPool, status_payload
 
 import commlab
 from commlab.transports import shm
@@ -237,7 +237,27 @@ def spin_choice(rank, p):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_waiters_spin_and_yield_only_with_a_core_each(ranks, world):
+def test_waiters_spin_only_with_a_core_each_and_yield_in_one_sched_group(ranks, world):
+    # The pool's ranks are in the test's session: one scheduling group.
     for spin, yield_us, cores in ranks.run(world, spin_choice):
         assert spin == (shm.SPIN if world <= cores else 0)
-        assert yield_us == (shm.YIELD_US if world <= cores else 0)
+        assert yield_us == shm.YIELD_US > 0
+
+
+def own_session_spin_choice(rank, p):
+    os.setsid()  # torchrun's and MPICH's way: a session, so an autogroup, per rank
+    return spin_choice(rank, p)
+
+
+def test_ranks_in_sched_groups_of_their_own_sleep_at_once_when_they_share_cores():
+    autogroup = open("/proc/sys/kernel/sched_autogroup_enabled").read().strip() == "1" \
+        if os.path.exists("/proc/sys/kernel/sched_autogroup_enabled") else False
+    if not autogroup:
+        pytest.skip("autogroup is off: sessions do not make scheduling groups here")
+    pool = RankPool(4)
+    try:
+        res = pool.run(own_session_spin_choice, timeout=120)
+    finally:
+        pool.close()
+    for spin, yield_us, cores in res:
+        assert (spin, yield_us) == ((shm.SPIN, shm.YIELD_US) if 4 <= cores else (0, 0)), (spin, yield_us, cores)

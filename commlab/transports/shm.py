@@ -33,9 +33,11 @@ ONESHOT_MAX = int(os.environ.get("COMMLAB_SHM_ONESHOT_MAX", str(8 << 10)))
 # Pause-loop iterations before a waiter yields, only when every rank has a core: with
 # more ranks than cores the awaited peer needs this very core.
 SPIN = 256
-# Microseconds a waiter yields before it sleeps on the futex, again only when every rank
-# has a core; with more ranks than cores a waiter sleeps at once (a yield window that
-# ends in a sleep was the worst of both).
+# Microseconds a waiter yields before it sleeps on the futex, when every rank has a core
+# or all ranks are in one scheduling group: then a yield hands the core to the peer that
+# needs it (3-8 ranks on 2 cores, 4-64 KiB: 2-4x faster than sleeping at once). Ranks in
+# groups of their own (torchrun and MPICH start each in its own session, so autogroup)
+# are weighed group against group: a yield keeps the core, 8 ranks took 1-2 ms per call.
 YIELD_US = 2000
 
 
@@ -60,7 +62,7 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
     """Set the group's shared memory up (collective); a CommlabError leaves nothing behind."""
     C = ext.require()
     facts = gather(info, {"host": host_id(), "cpus": sorted(os.sched_getaffinity(0)), "capacity": CAPACITY,
-                          "oneshot_max": ONESHOT_MAX})
+                          "oneshot_max": ONESHOT_MAX, "sched_group": sched_group()})
     hosts = [f["host"] for f in facts]
     cores = len(set().union(*(set(f["cpus"]) for f in facts)))
     if len(set(hosts)) > 1:
@@ -94,9 +96,10 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
         comm = made["comm"]
         # The one place the waiting and mode knobs are decided (the C++ side reads none).
         own_cores = info.size <= cores
+        one_sched_group = len({f["sched_group"] for f in facts}) == 1
         comm.oneshot_max = ONESHOT_MAX
         comm.spin = _env_int("COMMLAB_SHM_SPIN", SPIN if own_cores else 0)
-        comm.yield_us = _env_int("COMMLAB_SHM_YIELD_US", YIELD_US if own_cores else 0)
+        comm.yield_us = _env_int("COMMLAB_SHM_YIELD_US", YIELD_US if own_cores or one_sched_group else 0)
         agree(info, "attaching peer segments", comm.attach)
     except CommlabError:
         # A rank may have died between creating its segment and the unlink: every
@@ -109,9 +112,29 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
     entry.comm = comm
 
 
+def sched_group() -> str:
+    """The CFS group this process is weighed in: its cpu cgroup and, where autogroup is
+    on, its session's autogroup (ranks in one group share its slices task by task)."""
+    parts = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            parts += [line.strip() for line in f if ":cpu" in line or line.startswith("0::")]
+    except OSError:
+        pass
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            autogroup = f.read().strip() == "1"
+        if autogroup:
+            with open("/proc/self/autogroup") as f:
+                parts.append(f.read().split()[0])
+    except (OSError, IndexError):
+        pass
+    return "|".join(parts)
+
+
 def unsupported(info: GroupInfo) -> str | None:
     backend = str(dist.get_backend(info.group))
-    if "gloo" not in backend and "mpi" not in backend:
+    if "gloo" not in backend and "mpi" not in backend and "commlab" not in backend:
         return f"setup needs a CPU-capable backend (gloo) on the group, it has {backend}"
     return None
 
