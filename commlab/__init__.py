@@ -3,13 +3,17 @@
     import commlab
     commlab.all_reduce(t, algorithm="ring")      # same contract as dist.all_reduce
     commlab.algorithm_names()                    # what the registry holds
+    dist.init_process_group("commlab")           # unchanged training code on commlab's algorithms
 """
 import torch  # noqa: F401  (loads libtorch before commlab._C)
 
+from commlab.core import backend as _backend
 from commlab.core.api import algorithm_names, all_reduce, get_algorithm
 from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError, UnsupportedError
 
 __version__ = "0.1.0"
+
+_backend.register()  # dist.init_process_group("commlab") / new_group(backend="commlab")
 
 __all__ = [
     "all_reduce",

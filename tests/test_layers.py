@@ -10,7 +10,7 @@ LAYERS = [
     ("entry points", ["commlab.allreduce_bench", "commlab.compare", "commlab.advise", "commlab.doctor",
                       "commlab.costmodel", "commlab.hooks"]),
     ("tools", ["commlab.training", "commlab.measure", "commlab.diagnostics"]),
-    ("the contract of a call", ["commlab.core.api", "commlab.core.lanes", "commlab"]),  # the package: the API
+    ("the contract of a call", ["commlab.core.api", "commlab.core.lanes", "commlab.core.backend", "commlab"]),  # the package: the API
     ("algorithms", ["commlab.algorithms"]),
     ("transports", ["commlab.transports"]),
     ("shared facts", ["commlab.core", "commlab._C"]),

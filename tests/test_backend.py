@@ -1,0 +1,202 @@
+"""commlab as a torch.distributed backend: real clients (DDP's own reducer, torch's
+comm hooks), every collective a user may call, sub-groups, errors, re-init and
+/dev/shm hygiene. Each test starts fresh ranks whose world group is "commlab"."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from ranks import RankPool, status_payload
+
+import commlab  # noqa: F401 - registers the backend
+
+
+@pytest.fixture(scope="module")
+def commlab_ranks():
+    pools = {}
+
+    def run(world, fn, *args, timeout=180.0):
+        pool = pools.get(world)
+        if pool is None or pool.broken:
+            pool = pools[world] = RankPool(world, backend="commlab")
+        return pool.run(fn, *args, timeout=timeout)
+
+    yield run
+    for pool in pools.values():
+        pool.close()
+
+
+def _leftovers():
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("commlab-"))
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+
+
+def _train(ddp, rank, steps=4):
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(steps):
+        torch.manual_seed(100 + 10 * step + rank)  # each rank its own batch
+        x, y = torch.randn(16, 32), torch.randn(16, 8)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+
+
+def ddp_parity(rank, p, hook):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    assert dist.get_backend() == "commlab"
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for name, group in (("commlab", None), ("gloo", gloo)):
+        ddp = DDP(_model(), process_group=group, bucket_cap_mb=0.01)  # several buckets
+        if hook == "bf16":
+            ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+        elif hook == "powersgd":
+            state = powerSGD.PowerSGDState(process_group=group, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                           min_compression_rate=0.5, use_error_feedback=True, random_seed=7)
+            ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
+        out[name] = _train(ddp, rank)
+    replicas = [torch.empty_like(out["commlab"]) for _ in range(p)]
+    dist.all_gather(replicas, out["commlab"], group=gloo)
+    return {"max_diff": float((out["commlab"] - out["gloo"]).abs().max()),
+            "replicas_identical": all(torch.equal(r, replicas[0]) for r in replicas),
+            "calls": _shm_calls(), "leftovers": _leftovers()}
+
+
+def _shm_calls():
+    """How many all-reduces commlab's shared memory served on the world group."""
+    from commlab.transports import shm
+    entry = shm._entries.get(dist.group.WORLD)
+    return entry.comm.calls if entry.comm is not None else 0
+
+
+@pytest.mark.parametrize("hook", [None, "bf16", "powersgd"])
+def test_ddp_on_the_commlab_backend_matches_gloo(commlab_ranks, hook):
+    for got in commlab_ranks(2, ddp_parity, hook):
+        assert got["replicas_identical"], got
+        assert got["max_diff"] < (2e-2 if hook == "bf16" else 1e-5), got
+        assert got["calls"] > 0, got  # DDP's buckets went through commlab's shared memory
+        assert got["leftovers"] == [], got
+
+
+def every_collective(rank, p):
+    """Everything a user may call on a commlab group works (all-reduce through commlab,
+    the rest through the backend's gloo)."""
+    out = {}
+    x = torch.full((5,), float(rank + 1))
+    for op, want in ((dist.ReduceOp.SUM, p * (p + 1) / 2), (dist.ReduceOp.MAX, p), (dist.ReduceOp.AVG, (p + 1) / 2)):
+        y = x.clone()
+        dist.all_reduce(y, op=op)
+        out[f"all_reduce {op}"] = torch.allclose(y, torch.full_like(y, want))
+    for dtype in (torch.float64, torch.bfloat16, torch.int32, torch.uint8):
+        y = torch.full((7,), rank + 1, dtype=dtype)
+        dist.all_reduce(y)
+        out[f"all_reduce {dtype}"] = torch.equal(y, torch.full_like(y, p * (p + 1) // 2))
+    strided = torch.arange(12.0).reshape(3, 4).t() + rank
+    dist.all_reduce(strided)
+    out["strided"] = torch.equal(strided, p * torch.arange(12.0).reshape(3, 4).t() + sum(range(p)))
+    work = dist.all_reduce(x, async_op=True)
+    work.wait()
+    out["async"] = torch.equal(x, torch.full((5,), p * (p + 1) / 2))
+    b = torch.full((3,), float(rank))
+    dist.broadcast(b, src=p - 1)
+    out["broadcast"] = torch.equal(b, torch.full((3,), float(p - 1)))
+    gathered = torch.empty(p * 2)
+    dist.all_gather_into_tensor(gathered, torch.full((2,), float(rank)))
+    out["all_gather_into_tensor"] = gathered.tolist() == [float(r) for r in range(p) for _ in range(2)]
+    shard = torch.empty(2)
+    dist.reduce_scatter_tensor(shard, torch.arange(2.0 * p) + rank)
+    out["reduce_scatter_tensor"] = shard.tolist() == [p * (2 * rank + k) + sum(range(p)) for k in range(2)]
+    objs = [None] * p
+    dist.all_gather_object(objs, {"rank": rank})
+    out["all_gather_object"] = objs == [{"rank": r} for r in range(p)]
+    if rank == 0:
+        dist.send(torch.ones(4), dst=1)
+    elif rank == 1:
+        r = torch.zeros(4)
+        dist.recv(r, src=0)
+        out["send/recv"] = torch.equal(r, torch.ones(4))
+    dist.barrier()
+    return out
+
+
+def test_every_collective_works_on_a_commlab_group(commlab_ranks):
+    for rank, got in enumerate(commlab_ranks(3, every_collective)):
+        assert all(got.values()), (rank, got)
+        assert ("send/recv" in got) == (rank == 1)
+
+
+def sub_groups_and_reinit(rank, p):
+    out = {}
+    pair = dist.new_group([0, 1], backend="commlab")
+    if rank < 2:
+        t = torch.full((100,), float(rank + 1))
+        dist.all_reduce(t, group=pair)
+        out["pair"] = torch.equal(t, torch.full((100,), 3.0))
+    dist.barrier()
+    dist.destroy_process_group(pair)
+    # Leave the world and come back on a new one, in the same process.
+    store_dir = os.environ["COMMLAB_TEST_STORE"]
+    dist.destroy_process_group()
+    dist.init_process_group("commlab", init_method=f"file://{store_dir}/reinit", rank=rank, world_size=p)
+    t = torch.full((10,), float(rank))
+    dist.all_reduce(t)
+    out["reinit"] = torch.equal(t, torch.full((10,), float(sum(range(p)))))
+    dist.barrier()
+    out["leftovers"] = _leftovers()
+    return out
+
+
+def test_sub_groups_destroy_and_reinit_leave_nothing_behind(tmp_path):
+    pool = RankPool(3, backend="commlab", env={"COMMLAB_TEST_STORE": str(tmp_path)})
+    try:
+        res = pool.run(sub_groups_and_reinit, timeout=180)
+    finally:
+        pool.close()
+    for rank, got in enumerate(res):
+        assert got.get("pair", rank >= 2) and got["reinit"], (rank, got)
+        assert got["leftovers"] == [], got
+    assert _leftovers() == []
+
+
+def mismatched_sizes(rank, p):
+    """Through dist.all_reduce, sync and async: the mismatch is raised (torch's
+    future-wrapping Work would return from wait() as if the call had succeeded), and
+    every later call raises it again."""
+    out = {}
+    for k, async_op in enumerate((False, True)):
+        t = torch.ones(1000 if rank == 0 else 2000)
+        try:
+            work = dist.all_reduce(t, async_op=async_op)
+            if async_op:
+                work.wait()
+            out[k] = None
+        except Exception as e:  # noqa: BLE001 - the test reads what every rank got
+            out[k] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_a_mismatch_is_the_same_clear_error_on_every_rank():
+    pool = RankPool(2, backend="commlab")
+    try:
+        res = pool.outcomes(mismatched_sizes, timeout=60)
+    finally:
+        pool.close()
+    seen = []
+    for r in range(2):
+        status, payload = status_payload(res[r])
+        assert status == "ok", payload
+        assert payload[0] is not None and payload[0].startswith("CollectiveMismatchError"), payload
+        # The group's shared memory is done after a failed call: the next call says why.
+        assert payload[1] is not None and payload[1].startswith("CommlabError") and "unusable after" in payload[1]
+        for k in (0, 1):
+            assert "4000 bytes" in payload[k] and "8000 bytes" in payload[k], payload
+        seen.append(payload[0])
+    assert seen[0] == seen[1]  # the same text on every rank
