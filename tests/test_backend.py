@@ -200,3 +200,96 @@ def test_a_mismatch_is_the_same_clear_error_on_every_rank():
             assert "4000 bytes" in payload[k] and "8000 bytes" in payload[k], payload
         seen.append(payload[0])
     assert seen[0] == seen[1]  # the same text on every rank
+
+
+LIGHTNING_SCRIPT = '''
+import datetime, json, os, sys
+import torch
+import torch.distributed as dist
+import pytorch_lightning as pl
+from pytorch_lightning.strategies import DDPStrategy
+import commlab  # registers the backend
+from commlab.transports import shm
+
+backend = sys.argv[2]
+
+
+class M(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+torch.manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+trainer = pl.Trainer(strategy=DDPStrategy(process_group_backend=backend, timeout=datetime.timedelta(seconds=90)),
+                     accelerator="cpu", devices=2, max_steps=4, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=8))
+entry = shm._entries.get(dist.group.WORLD)
+out = {"weight": trainer.lightning_module.net.weight.detach().flatten().tolist(), "backend": dist.get_backend(),
+       "shm_calls": entry.comm.calls if entry.comm is not None else 0}
+with open(os.path.join(sys.argv[1], f"{backend}{trainer.global_rank}.json"), "w") as f:
+    json.dump(out, f)
+'''
+
+
+def test_lightning_ddp_strategy_on_the_commlab_backend(tmp_path):
+    pytest.importorskip("pytorch_lightning")
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(LIGHTNING_SCRIPT)
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+                     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    env = {k: v for k, v in os.environ.items()
+           if k not in launcher_vars and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_"))}
+    env.update(GLOO_SOCKET_IFNAME="lo", PL_DISABLE_FORK="1", OMP_NUM_THREADS="1")
+    for backend in ("gloo", "commlab"):
+        proc = subprocess.run([sys.executable, str(script), str(tmp_path), backend], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = {b: [json.loads((tmp_path / f"{b}{r}.json").read_text()) for r in range(2)] for b in ("gloo", "commlab")}
+    c = runs["commlab"]
+    assert c[0]["backend"] == "commlab" and c[0]["weight"] == c[1]["weight"], c
+    assert all(o["shm_calls"] > 0 for o in c), c  # Lightning's DDP went through commlab's shared memory
+    diff = max(abs(a - b) for a, b in zip(c[0]["weight"], runs["gloo"][0]["weight"]))
+    assert diff < 1e-5, diff
+
+
+def fsdp2_parity(rank, p):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for name, group in (("commlab", dist.group.WORLD), ("gloo", gloo)):
+        model = _model()
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            torch.manual_seed(100 + 10 * step + rank)
+            x, y = torch.randn(16, 32), torch.randn(16, 8)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        out[name] = torch.cat([prm.full_tensor().reshape(-1) for prm in model.parameters()])
+    return {"max_diff": float((out["commlab"] - out["gloo"]).abs().max()), "leftovers": _leftovers()}
+
+
+def test_fsdp2_on_the_commlab_backend_matches_gloo(commlab_ranks):
+    for got in commlab_ranks(2, fsdp2_parity):
+        assert got["max_diff"] < 1e-5 and got["leftovers"] == [], got

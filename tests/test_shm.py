@@ -55,6 +55,10 @@ def fast_and_slow(rank, p, algorithm, env):
         out = {"first": runs[:], "fast": api._fast.get((algorithm, id(dist.ReduceOp.SUM), id(None))) is not None}
         want = float(p * (p + 1) // 2)
         ok = [torch.equal(x, torch.full_like(x, want))]
+        # Another dtype takes the fast path over; the first call like x's takes it back.
+        for t in (torch.full((1000,), float(rank + 1), dtype=torch.float64), x.fill_(rank + 1)):
+            commlab.all_reduce(t, algorithm=algorithm)
+            ok.append(torch.equal(t, torch.full_like(t, want)))
         del runs[:]
         for k in range(3):
             x.fill_(rank + 1 + k)

@@ -3,6 +3,7 @@ shared memory when every rank is on one host (CPU tensors), else the backend's o
 all-reduce. COMMLAB_ALGORITHM=<name> forces one algorithm instead."""
 from __future__ import annotations
 
+import copy
 import os
 
 from commlab.core.errors import UnsupportedError
@@ -55,10 +56,13 @@ class Auto(Algorithm):
             picked = ctx.transport = {}
         key = buf.device.type
         if key not in picked:
-            alg = self.choose(key, ctx)
+            chosen = self.choose(key, ctx)
+            # Errors name what was asked for and what ran: commlab[auto->shm].
+            alg = copy.copy(chosen)
+            alg.name = f"{self.name}->{chosen.name}"
             reason = alg.unsupported(buf, op, ctx.info)
             if reason:
-                raise UnsupportedError(f"commlab[auto -> {alg.name}]: {reason}")
+                raise UnsupportedError(f"commlab[{alg.name}]: {reason}")
             picked[key] = (alg, Context(info=ctx.info, p2p=P2P(ctx.info, alg.name)))
         alg, inner = picked[key]
         alg.run(buf, op, inner)

@@ -131,6 +131,8 @@ def _plan(tensor: torch.Tensor, op, group, algorithm: str) -> _Plan:
     except TypeError:  # an unhashable algorithm name: let validation explain
         key, plan = None, None
     if plan is not None and plan.op_key is op and plan.live():
+        if plan.fast is not None:  # the fast path serves the latest dtype of (algorithm, op, group)
+            _fast[key[:3]] = plan
         return plan
     alg = algorithms.get(algorithm)
     reduce_op = parse_op(op)

@@ -70,51 +70,6 @@ class CommlabBackend(_C10dBackend):
     def _gloo(self):
         return self._inner if _internal() else self._front
 
-    def broadcast(self, tensors, opts):
-        return self._gloo().broadcast(tensors, opts)
-
-    def allgather(self, outputs, inputs, opts):
-        return self._gloo().allgather(outputs, inputs, opts)
-
-    def all_gather_single(self, output, input, opts):
-        return self._gloo()._allgather_base(output, input, opts)
-
-    def allgather_coalesced(self, outputs, inputs, opts):
-        return self._gloo().allgather_coalesced(outputs, inputs, opts)
-
-    def allreduce_coalesced(self, tensors, opts):
-        return self._gloo().allreduce_coalesced(tensors, opts)
-
-    def reduce(self, tensors, opts):
-        return self._gloo().reduce(tensors, opts)
-
-    def gather(self, outputs, inputs, opts):
-        return self._gloo().gather(outputs, inputs, opts)
-
-    def scatter(self, outputs, inputs, opts):
-        return self._gloo().scatter(outputs, inputs, opts)
-
-    def reduce_scatter(self, outputs, inputs, opts):
-        return self._gloo().reduce_scatter(outputs, inputs, opts)
-
-    def reduce_scatter_single(self, output, input, opts):
-        return self._gloo()._reduce_scatter_base(output, input, opts)
-
-    def alltoall(self, outputs, inputs, opts):
-        return self._gloo().alltoall(outputs, inputs, opts)
-
-    def all_to_all_single(self, output, input, output_splits, input_splits, opts):
-        return self._gloo().alltoall_base(output, input, output_splits, input_splits, opts)
-
-    def send(self, tensors, dst, tag):
-        return self._gloo().send(tensors, dst, tag)
-
-    def recv(self, tensors, src, tag):
-        return self._gloo().recv(tensors, src, tag)
-
-    def recv_anysource(self, tensors, tag):
-        return self._gloo().recv_anysource(tensors, tag)
-
     # -- the backend's thread -----------------------------------------------------------
 
     def _submit(self, job, result):
@@ -170,6 +125,16 @@ class _Work(_C10dWork):
 
     def result(self):
         return self._result
+
+
+# Everything but all_reduce and barrier: the gloo backend's method of the same name (its
+# Python names are those PyBackend looks up on us).
+for _name in ("broadcast", "allgather", "all_gather_single", "allgather_coalesced", "all_gather_single_coalesced",
+              "allreduce_coalesced", "allreduce_sparse", "reduce", "gather", "gather_single", "scatter",
+              "reduce_scatter", "reduce_scatter_single", "reduce_scatter_single_coalesced", "alltoall",
+              "all_to_all_single", "send", "recv", "recv_anysource"):
+    setattr(CommlabBackend, _name,
+            (lambda name: lambda self, *args: getattr(self._gloo(), name)(*args))(_name))
 
 
 def _internal() -> bool:

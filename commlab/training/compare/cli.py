@@ -10,7 +10,9 @@ Modes: `dp` (nn.DataParallel, one process, GPUs only); `ddp` (DDP with its defau
 reduction, made measurable: a comm hook that divides the bucket by the world size and
 calls dist.all_reduce on DDP's process group, as DDP's built-in allreduce hook does, and
 times each bucket); `ddp:<algorithm>` (DDP through commlab's hook for that algorithm);
-`ddp:noop` (no communication: the compute-only floor). Every mode trains the same model
+`ddp:noop` (no communication: the compute-only floor); `ddp@commlab` (`ddp` with its
+process group on commlab's torch.distributed backend: the same dist.all_reduce, served
+by commlab's `auto`; CPU). Every mode trains the same model
 from the same seed on the same synthetic data.
 """
 from __future__ import annotations
@@ -28,16 +30,21 @@ from commlab.training.compare import report, search, workers
 
 
 def default_modes(device: str) -> list[str]:
-    wanted = ["dp", "ddp", "ddp:ring", "ddp:ps", "ddp:shm", "ddp:noop"]
+    wanted = ["dp", "ddp", "ddp:ring", "ddp:ps", "ddp:shm", "ddp:noop"] + _backend_modes(device)
     return [m for m in wanted if not m.startswith("ddp:") or m == "ddp:noop" or m[4:] in algorithms.for_device(device)]
 
 
 def all_modes(device: str) -> list[str]:
-    return ["dp", "ddp"] + [f"ddp:{a}" for a in algorithms.for_device(device)] + ["ddp:noop"]
+    return ["dp", "ddp"] + [f"ddp:{a}" for a in algorithms.for_device(device)] + ["ddp:noop"] + _backend_modes(device)
+
+
+def _backend_modes(device: str) -> list[str]:
+    """DDP's default reduction with the process group on commlab's backend (CPU tensors)."""
+    return ["ddp@commlab"] if device == "cpu" else []
 
 
 def _is_ddp(mode: str) -> bool:
-    return mode == "ddp" or mode.startswith("ddp:")
+    return mode == "ddp" or mode.startswith("ddp:") or mode.startswith("ddp@")
 
 
 def _failed(mode: str, outcomes: dict, timeout: float) -> dict:
@@ -82,7 +89,8 @@ def run_mode(mode: str, world: int, args: dict) -> dict:
     device = args["device"]
     if mode == "dp":
         return run_dp_mode(args)
-    if mode in ("ddp", "ddp:noop") or (mode.startswith("ddp:") and mode[4:] in algorithms.for_device(device)):
+    if mode in ("ddp", "ddp:noop") or (mode.startswith("ddp:") and mode[4:] in algorithms.for_device(device)) \
+            or mode in _backend_modes(device):
         return run_ddp_mode(mode, world, args)
     return {"mode": mode, "status": "unavailable",
             "reason": f"no such mode for {device} (modes: {', '.join(all_modes(device))})"}
@@ -95,7 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--world-size", type=int, default=None, help="DDP ranks (default: 4 on CPU, every GPU on CUDA)")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs for dp and ddp (default: all)")
-    ap.add_argument("--modes", default=None, help="comma list, or all (default: dp, ddp, ddp:ring, ddp:ps, ddp:shm, ddp:noop)")
+    ap.add_argument("--modes", default=None, help="comma list, or all (default: dp, ddp, ddp:ring, ddp:ps, ddp:shm, ddp:noop, and ddp@commlab on CPU)")
     ap.add_argument("--model", default=None, help="mlp | transformer | any torchvision model (default: mlp on CPU, resnet50 on GPU)")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=4)

@@ -48,6 +48,8 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     if cuda:
         torch.cuda.set_device(device)
     backend = "nccl" if cuda and not args["share_gpu"] else "gloo"
+    if "@" in mode:  # ddp@commlab: DDP's default reduction on commlab's torch.distributed backend
+        mode, backend = mode.split("@", 1)
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args["timeout"]))
     if cuda and args["mem_limit_mb"]:
