@@ -49,20 +49,21 @@ def fast_and_slow(rank, p, algorithm, env):
     runs = []
     real_run = type(alg).run
     alg.run = lambda buf, op, ctx: (runs.append(buf.numel()), real_run(alg, buf, op, ctx))
+    g = dist.new_group(list(range(p)))  # its own lane and plans, whatever earlier tests left on the world's
     try:
         x = torch.full((1000,), float(rank + 1))
-        commlab.all_reduce(x, algorithm=algorithm)  # plans the call (and sets shm up)
-        out = {"first": runs[:], "fast": api._fast.get((algorithm, id(dist.ReduceOp.SUM), id(None))) is not None}
+        commlab.all_reduce(x, group=g, algorithm=algorithm)  # plans the call (and sets shm up)
+        out = {"first": runs[:], "fast": api._fast.get((algorithm, id(dist.ReduceOp.SUM), id(g))) is not None}
         want = float(p * (p + 1) // 2)
         ok = [torch.equal(x, torch.full_like(x, want))]
         # Another dtype takes the fast path over; the first call like x's takes it back.
         for t in (torch.full((1000,), float(rank + 1), dtype=torch.float64), x.fill_(rank + 1)):
-            commlab.all_reduce(t, algorithm=algorithm)
+            commlab.all_reduce(t, group=g, algorithm=algorithm)
             ok.append(torch.equal(t, torch.full_like(t, want)))
         del runs[:]
         for k in range(3):
             x.fill_(rank + 1 + k)
-            commlab.all_reduce(x, algorithm=algorithm)
+            commlab.all_reduce(x, group=g, algorithm=algorithm)
             ok.append(torch.equal(x, torch.full_like(x, want + p * k)))
         out["like calls"] = runs[:]
         del runs[:]
@@ -70,12 +71,14 @@ def fast_and_slow(rank, p, algorithm, env):
                   torch.full((1000,), float(rank + 1), dtype=torch.float64),  # another dtype
                   torch.zeros(0)]  # empty
         for y in others:
-            commlab.all_reduce(y, algorithm=algorithm)
+            commlab.all_reduce(y, group=g, algorithm=algorithm)
             ok.append(torch.equal(y, torch.full_like(y, want)))
         out["other calls"] = runs[:]
         out["ok"] = ok
         return out
     finally:
+        dist.barrier()
+        dist.destroy_process_group(g)
         del alg.run
         api._plans.clear()  # plans made under this env would outlive it
         api._fast.clear()
