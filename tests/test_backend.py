@@ -293,3 +293,19 @@ def fsdp2_parity(rank, p):
 def test_fsdp2_on_the_commlab_backend_matches_gloo(commlab_ranks):
     for got in commlab_ranks(2, fsdp2_parity):
         assert got["max_diff"] < 1e-5 and got["leftovers"] == [], got
+
+
+def plans_per_call(rank, p):
+    """c10d builds a new ReduceOp object for every call: the backend must still reuse one
+    plan (a fresh plan per call re-ran auto's host gathering every time)."""
+    from commlab.core import api
+    x = torch.ones(100)
+    dist.all_reduce(x)
+    before = len(api._plans)
+    for _ in range(20):
+        dist.all_reduce(x)
+    return len(api._plans) - before
+
+
+def test_the_backend_reuses_its_plan_across_calls(commlab_ranks):
+    assert commlab_ranks(2, plans_per_call) == [0, 0]

@@ -25,6 +25,7 @@ from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch._C._distributed_c10d import Work as _C10dWork
 
 from commlab.core import api
+from commlab.core.reduction import parse_op
 
 NAME = "commlab"
 _inside = threading.local()  # set on the threads that run commlab's algorithms
@@ -55,7 +56,9 @@ class CommlabBackend(_C10dBackend):
     def allreduce(self, tensors, opts):
         if _internal() or len(tensors) != 1 or not _served(tensors[0]):
             return self._gloo().allreduce(tensors, opts)
-        tensor, op, group = tensors[0], opts.reduceOp, self._group()
+        # opts.reduceOp is a new object on every call: the plan cache keys ops by identity,
+        # so pass commlab's own (stable) Op, else every call would be planned afresh.
+        tensor, op, group = tensors[0], parse_op(opts.reduceOp), self._group()
         return self._submit(lambda: api.all_reduce(tensor, op, group, algorithm=self._algorithm), [tensor])
 
     def barrier(self, opts=None):
