@@ -2,9 +2,24 @@
 ranks spawned once per world size and reused (conftest.py), each function run on every
 rank with a hard deadline, a failing rank's traceback or a silent rank's stacks as the
 test's error message."""
+import os
+
 from commlab.measure.launch import Outcome, RankFailure, RankPool  # noqa: F401
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
 def status_payload(o: Outcome):
     """(status, the value for "ok", else the traceback or stacks): for fault tests."""
     return o.status, (o.result if o.status == "ok" else o.error)
+
+
+def clean_launch_env(**extra) -> dict:
+    """This process's environment without any launcher's rank or rendezvous variables
+    (left in, they would make a script believe it was already launched and wait for
+    peers), plus `extra`: for tests that start their own launcher (Lightning)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_"))}
+    env.update(extra)
+    return env

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import RankPool, status_payload
+from ranks import RankPool, clean_launch_env, status_payload
 
 import commlab  # noqa: F401 - registers the backend
 
@@ -249,11 +249,7 @@ def test_lightning_ddp_strategy_on_the_commlab_backend(tmp_path):
 
     script = tmp_path / "train.py"
     script.write_text(LIGHTNING_SCRIPT)
-    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-                     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-    env = {k: v for k, v in os.environ.items()
-           if k not in launcher_vars and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_"))}
-    env.update(GLOO_SOCKET_IFNAME="lo", PL_DISABLE_FORK="1", OMP_NUM_THREADS="1")
+    env = clean_launch_env(GLOO_SOCKET_IFNAME="lo", PL_DISABLE_FORK="1", OMP_NUM_THREADS="1")
     for backend in ("gloo", "commlab"):
         proc = subprocess.run([sys.executable, str(script), str(tmp_path), backend], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=300)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 from cases import digest
+from ranks import clean_launch_env
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlab
@@ -357,19 +358,12 @@ state.close()
 def test_lightning_ddp_strategy_with_a_state_built_first(tmp_path):
     pytest.importorskip("pytorch_lightning")
     import json
-    import os
     import subprocess
     import sys
 
     script = tmp_path / "train.py"
     script.write_text(LIGHTNING_SCRIPT)
-    # A clean launch: any rank/rendezvous variable left in this process's environment
-    # would make Lightning believe it was already launched and wait for peers.
-    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-                     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-    env = {k: v for k, v in os.environ.items()
-           if k not in launcher_vars and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_"))}
-    env.update(GLOO_SOCKET_IFNAME="lo", PL_DISABLE_FORK="1", OMP_NUM_THREADS="1")
+    env = clean_launch_env(GLOO_SOCKET_IFNAME="lo", PL_DISABLE_FORK="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

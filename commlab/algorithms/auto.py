@@ -27,7 +27,7 @@ class Auto(Algorithm):
         return self._registry().get("shm").memory_traffic(p, nbytes)
 
     def unsupported(self, tensor, op, info):
-        forced = os.environ.get("COMMLAB_ALGORITHM", "")
+        forced = _forced()
         if forced:
             alg = self._registry().get(forced)  # an unknown name raises, on every rank alike
             if alg is self:
@@ -41,7 +41,7 @@ class Auto(Algorithm):
         """Collective on first use per group and device type (every rank gathers the
         same host ids, so every rank picks the same algorithm)."""
         registry = self._registry()
-        forced = os.environ.get("COMMLAB_ALGORITHM", "")
+        forced = _forced()
         if forced:
             return registry.get(forced)
         if device_type == "cpu":
@@ -72,6 +72,11 @@ class Auto(Algorithm):
         from commlab import algorithms  # the package imports this module while it registers
 
         return algorithms
+
+
+def _forced() -> str:
+    """COMMLAB_ALGORITHM, or "" when unset."""
+    return os.environ.get("COMMLAB_ALGORITHM", "")
 
 
 ALGORITHM = Auto()

@@ -62,11 +62,10 @@ class CommlabBackend(_C10dBackend):
         return self._submit(lambda: api.all_reduce(tensor, op, group, algorithm=self._algorithm), [tensor])
 
     def barrier(self, opts=None):
-        if _internal():
-            return self._inner.barrier(opts) if opts is not None else self._inner.barrier()
-        # Everything queued before the barrier completes before it.
-        self._submit(lambda: None, []).wait()
-        return self._front.barrier(opts) if opts is not None else self._front.barrier()
+        if not _internal():
+            self._submit(lambda: None, []).wait()  # everything queued before the barrier completes first
+        gloo = self._gloo()
+        return gloo.barrier(opts) if opts is not None else gloo.barrier()
 
     # -- everything else: gloo ----------------------------------------------------------
 
@@ -108,18 +107,12 @@ class _Work(_C10dWork):
         return self._fut.done()
 
     def is_success(self) -> bool:
-        if not self._fut.done():
-            return False
-        try:
-            self._fut.value()
-        except Exception:  # noqa: BLE001 - a failure is what this reports
-            return False
-        return True
+        return self._fut.done() and self.exception() is None
 
     def exception(self):
         try:
             self._fut.value()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - a failure is what this reports
             return e
         return None
 

@@ -162,7 +162,7 @@ def fast_call(info: GroupInfo, op: int, mode: int, like: torch.Tensor, algorithm
     """all_reduce() for tensors like `like`, in one C++ call (the API's fast path for
     small messages): False, touching nothing, for any other tensor, before setup, or
     while another thread holds the group's communicator."""
-    entry = _entries.get(info.group)
+    entry = state_of(info)
     lock = entry.lock
     dtype = ext.require().ShmComm.dtype_code(like)
 

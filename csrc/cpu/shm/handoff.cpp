@@ -1,5 +1,7 @@
 #include "handoff.h"
 
+#include "../../common/pause.h"
+
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/mman.h>
@@ -13,13 +15,6 @@
 #include <stdexcept>
 #include <thread>
 #include <vector>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define COMMLAB_PAUSE() _mm_pause()
-#else
-#define COMMLAB_PAUSE() std::this_thread::yield()
-#endif
 
 namespace commlab {
 namespace {
@@ -40,7 +35,7 @@ using Clock = std::chrono::steady_clock;
 void wait_for(const std::atomic<int64_t>& v, int64_t want, bool yield, Clock::time_point deadline) {
   for (uint32_t k = 1;; ++k) {
     if (v.load(std::memory_order_acquire) >= want) return;
-    COMMLAB_PAUSE();
+    cpu_relax();
     if (yield) sched_yield();
     if ((k & 4095) == 0 && Clock::now() > deadline)
       throw std::runtime_error("commlab handoff: the peer did not answer in time");

@@ -21,6 +21,7 @@
 
 #include "../../common/errors.h"
 #include "../../common/fork.h"
+#include "../../common/pause.h"
 #include "../../common/signals.h"
 #include "../reduce/reduce_n.h"
 
@@ -86,14 +87,6 @@ struct Layout {
 };
 static_assert(sizeof(Layout) <= kDataOffset, "control block must fit before the data");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics in shared memory");
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
 
 long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const struct timespec* ts) {
   return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
