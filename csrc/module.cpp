@@ -82,7 +82,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::register_exception<commlab::PeerLostError>(m, "PeerLostError", PyExc_RuntimeError);
   pybind11::register_exception<commlab::ForkedError>(m, "ForkedError", PyExc_RuntimeError);
 
-  pybind11::class_<commlab::ShmComm>(m, "ShmComm", "shared-memory all-reduce among the ranks of one host")
+  pybind11::class_<commlab::ShmComm>(m, "ShmComm", "shared-memory collectives among the ranks of one host")
       .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, int64_t, std::vector<int64_t>>(),
            pybind11::arg("token_hex"), pybind11::arg("rank"), pybind11::arg("world"), pybind11::arg("capacity"),
            pybind11::arg("timeout_ms"), pybind11::arg("global_ranks"))
@@ -94,6 +94,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("try_allreduce", &commlab::ShmComm::try_allreduce, pybind11::arg("tensor"), pybind11::arg("op"),
            pybind11::arg("mode"), pybind11::arg("dtype"),
            "allreduce() if the tensor is a contiguous CPU tensor of scalar type `dtype` (else False, untouched)")
+      .def("allgather", &commlab::ShmComm::allgather, pybind11::arg("out"), pybind11::arg("input"),
+           "out (world x n) = every rank's input (n), in rank order")
+      .def("reduce_scatter", &commlab::ShmComm::reduce_scatter, pybind11::arg("out"), pybind11::arg("input"),
+           pybind11::arg("op"), "out (n) = reduction of every rank's slice `rank` of input (world x n)")
+      .def("broadcast", &commlab::ShmComm::broadcast, pybind11::arg("tensor"), pybind11::arg("root"),
+           "in place, from group rank `root`")
+      .def("barrier", &commlab::ShmComm::barrier)
       .def_static("dtype_code", [](const torch::Tensor& t) { return static_cast<int64_t>(t.scalar_type()); },
                   "the scalar-type code try_allreduce compares against")
       .def("segment_name", &commlab::ShmComm::segment_name)

@@ -305,3 +305,171 @@ def plans_per_call(rank, p):
 
 def test_the_backend_reuses_its_plan_across_calls(commlab_ranks):
     assert commlab_ranks(2, plans_per_call) == [0, 0]
+
+
+EXIT_SCRIPT = '''
+import os, sys
+import torch
+import torch.distributed as dist
+import commlab  # registers the backend
+
+rank = int(sys.argv[2])
+dist.init_process_group("commlab", init_method=f"file://{sys.argv[1]}/store", rank=rank, world_size=2)
+t = torch.ones(1000)
+dist.all_reduce(t)
+dist.all_reduce(t, async_op=True).wait()
+dist.broadcast(t, src=0)
+dist.barrier()
+dist.destroy_process_group()
+print("done", flush=True)
+'''
+
+
+def test_a_script_that_destroys_its_group_exits_cleanly(tmp_path):
+    """The usual end of a training script. The backend's thread held the last reference to
+    the backend after its last job; Python freed the gloo groups on that daemon thread at
+    interpreter exit and the process aborted ("terminate called without an active
+    exception", SIGABRT) after a successful run."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(EXIT_SCRIPT)
+    env = clean_launch_env(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    for attempt in range(3):  # the abort depended on which thread lost the race at exit: try it more than once
+        (tmp_path / str(attempt)).mkdir()
+        procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / str(attempt)), str(r)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0 and "done" in out, (proc.returncode, err[-2000:])
+            assert "terminate called" not in err, err[-2000:]
+    assert _leftovers() == []
+
+
+def shm_collectives(rank, p):
+    """all_gather, reduce_scatter, broadcast and barrier through the backend: served by
+    commlab's shared memory (its call counter moves), right for every size (several
+    pieces past the 1 MiB buffers), dtype, op, list form and aliasing."""
+    import functools
+    out, calls0 = {}, _shm_calls()
+    n_calls = 0
+    for n in (1, 7, 70_000, 600_000):  # 600k fp32 = 2.4 MB per rank: pieces
+        for dtype in (torch.float32, torch.int64, torch.bfloat16):
+            x = (torch.arange(n) % 97 + rank).to(dtype)
+            g = torch.empty(p * n, dtype=dtype)
+            dist.all_gather_into_tensor(g, x)
+            out[f"all_gather {n} {dtype}"] = torch.equal(
+                g, torch.cat([(torch.arange(n) % 97 + r).to(dtype) for r in range(p)]))
+            inp = torch.cat([(torch.arange(n) % 89 + r + rank).to(dtype) for r in range(p)])
+            for op, fold in ((dist.ReduceOp.SUM, sum), (dist.ReduceOp.MAX, lambda ts: functools.reduce(torch.maximum, ts))):
+                s = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter_tensor(s, inp, op=op)
+                want = fold([(torch.arange(n) % 89 + rank + r).to(dtype) for r in range(p)])
+                out[f"reduce_scatter {n} {dtype} {op}"] = torch.equal(s, want)
+            b = (torch.arange(n) % 13 + rank).to(dtype)
+            dist.broadcast(b, src=1)
+            out[f"broadcast {n} {dtype}"] = torch.equal(b, (torch.arange(n) % 13 + 1).to(dtype))
+            n_calls += 4
+    # Types only copied (never reduced) and AVG.
+    flags = torch.tensor([rank % 2 == 0, True])
+    gf = torch.empty(2 * p, dtype=torch.bool)
+    dist.all_gather_into_tensor(gf, flags)
+    out["all_gather bool"] = gf.tolist() == [v for r in range(p) for v in (r % 2 == 0, True)]
+    avg = torch.empty(3)
+    dist.reduce_scatter_tensor(avg, torch.full((3 * p,), float(rank)), op=dist.ReduceOp.AVG)
+    out["reduce_scatter AVG"] = torch.allclose(avg, torch.full((3,), (p - 1) / 2))
+    n_calls += 2
+    # List forms, and outputs that are views of the inputs (torch allows both).
+    lst = [torch.empty(2, 3) for _ in range(p)]
+    dist.all_gather(lst, torch.full((2, 3), float(rank)))
+    out["all_gather list"] = all(torch.equal(t, torch.full((2, 3), float(r))) for r, t in enumerate(lst))
+    o = torch.empty(4)
+    dist.reduce_scatter(o, [torch.full((4,), float(r * rank)) for r in range(p)])
+    out["reduce_scatter list"] = torch.equal(o, torch.full((4,), float(rank * sum(range(p)))))
+    whole = torch.zeros(p * 5)
+    whole[rank * 5:(rank + 1) * 5] = rank + 1
+    dist.all_gather_into_tensor(whole, whole[rank * 5:(rank + 1) * 5])
+    out["all_gather in place"] = torch.equal(whole, torch.arange(1.0, p + 1).repeat_interleave(5))
+    src = torch.arange(p * 5, dtype=torch.float32) + rank
+    expect = p * torch.arange(rank * 5, (rank + 1) * 5, dtype=torch.float32) + sum(range(p))
+    dist.reduce_scatter_tensor(src[rank * 5:(rank + 1) * 5], src)
+    out["reduce_scatter in place"] = torch.equal(src[rank * 5:(rank + 1) * 5], expect)
+    dist.barrier()
+    n_calls += 5
+    # Async, and order: a broadcast issued right after an async all_reduce of the same
+    # tensor (no wait between) sends the reduced value; so does a gloo-served reduce.
+    t = torch.full((1000,), float(rank + 1))
+    w1 = dist.all_reduce(t, async_op=True)
+    w2 = dist.broadcast(t, src=0, async_op=True)
+    w2.wait()
+    w1.wait()
+    out["ordered broadcast"] = torch.equal(t, torch.full((1000,), float(p * (p + 1) // 2)))
+    r = torch.full((100_000,), float(rank + 1))
+    dist.all_reduce(r, async_op=True)
+    dist.reduce(r, dst=0)  # gloo: issued after the queued all-reduce ran
+    if rank == 0:
+        out["ordered gloo reduce"] = torch.equal(r, torch.full((100_000,), float(p * p * (p + 1) // 2)))
+    n_calls += 3
+    out["served by shm"] = _shm_calls() - calls0 == n_calls
+    out["leftovers"] = _leftovers() == []
+    return out
+
+
+def test_other_collectives_go_through_shared_memory(commlab_ranks):
+    for rank, got in enumerate(commlab_ranks(3, shm_collectives)):
+        assert all(got.values()), (rank, {k: v for k, v in got.items() if not v})
+        assert ("ordered gloo reduce" in got) == (rank == 0)
+
+
+def mismatched_collectives(rank, p, case):
+    """Ranks that call different collectives (or the same with another root or size):
+    a mismatch error naming both calls, the same text on every rank, and no hang."""
+    try:
+        t = torch.ones(8)
+        if case == "kind":
+            if rank == 0:
+                dist.broadcast(t, src=0)
+            else:
+                dist.all_gather_into_tensor(torch.empty(8 * p), t)
+        elif case == "root":
+            dist.broadcast(t, src=rank)
+        else:  # size
+            dist.reduce_scatter_tensor(torch.empty(4 + rank), torch.ones(p * (4 + rank)))
+        return None
+    except Exception as e:  # noqa: BLE001 - the test reads what every rank got
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("case", ["kind", "root", "size"])
+def test_mismatched_collectives_fail_alike_on_every_rank(case):
+    pool = RankPool(2, backend="commlab")
+    try:
+        res = pool.run(mismatched_collectives, case, timeout=60)
+    finally:
+        pool.close()
+    assert res[0] is not None and res[0] == res[1], res
+    assert res[0].startswith("CollectiveMismatchError") and "mismatch" in res[0], res
+    want = {"kind": ("broadcast", "all_gather"), "root": ("from rank 0", "from rank 1"),
+            "size": ("reduce_scatter of 32 bytes", "reduce_scatter of 40 bytes")}[case]
+    assert all(w in res[0] for w in want), res
+
+
+def collectives_on_gloo(rank, p):
+    calls0 = _shm_calls()
+    b = torch.full((4,), float(rank))
+    dist.broadcast(b, src=0)
+    g = torch.empty(p)
+    dist.all_gather_into_tensor(g, torch.tensor([float(rank)]))
+    dist.barrier()
+    return {"right": torch.equal(b, torch.zeros(4)) and g.tolist() == [float(r) for r in range(p)],
+            "shm calls": _shm_calls() - calls0}
+
+
+def test_commlab_collectives_gloo_sends_them_to_gloo():
+    pool = RankPool(2, backend="commlab", env={"COMMLAB_COLLECTIVES": "gloo"})
+    try:
+        res = pool.run(collectives_on_gloo, timeout=60)
+    finally:
+        pool.close()
+    assert res == [{"right": True, "shm calls": 0}] * 2, res

@@ -6,8 +6,13 @@ What runs where:
 - all_reduce of one dense CPU tensor: commlab.all_reduce on this group with the
   backend's algorithm (COMMLAB_ALGORITHM, default `auto`), on the backend's own thread,
   so that async callers (DDP's buckets) overlap it with their compute;
+- all_gather (into one tensor or a list), reduce_scatter (from one tensor or a list),
+  broadcast and barrier of dense CPU tensors, when every rank is on one host: commlab's
+  shared memory, on the same thread and sequence (FSDP's two halves of every step);
+  COMMLAB_COLLECTIVES=gloo sends them to gloo instead;
 - every other collective: a gloo backend of the same ranks ("front"), so nothing a
-  user calls is missing;
+  user calls is missing; issued once every earlier call on the thread is done, so
+  calls on one group run in the order they were made;
 - every collective commlab's own algorithms issue on this group while they run (setup
   gathers, point-to-point steps, `builtin`): a second gloo backend ("inner"), so their
   order never interleaves with the caller's.
@@ -24,15 +29,27 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch._C._distributed_c10d import Work as _C10dWork
 
-from commlab.core import api
-from commlab.core.reduction import parse_op
+from commlab.core import api, groups
+from commlab.core.errors import CollectiveMismatchError, CommlabError
+from commlab.core.reduction import SUPPORTED_DTYPES, Op, finish_average_, parse_op
+from commlab.transports import shm
+from commlab.transports.setup import gather, host_id
 
 NAME = "commlab"
+LABEL = "backend"  # how errors name the backend's own calls: commlab[backend]
 _inside = threading.local()  # set on the threads that run commlab's algorithms
 
 
 def _algorithm() -> str:
     return os.environ.get("COMMLAB_ALGORITHM", "") or "auto"
+
+
+def _collectives() -> str:
+    """Where the collectives other than all_reduce go: "shm" (on one host) or "gloo"."""
+    value = os.environ.get("COMMLAB_COLLECTIVES", "") or "shm"
+    if value not in ("shm", "gloo"):
+        raise ValueError(f"COMMLAB_COLLECTIVES must be shm or gloo, not {value!r}")
+    return value
 
 
 class CommlabBackend(_C10dBackend):
@@ -43,7 +60,10 @@ class CommlabBackend(_C10dBackend):
         self._inner = dist.ProcessGroupGloo(dist.PrefixStore("inner/", store), rank, size, timeout)
         self._group = weakref.ref(group)  # the ProcessGroup this backend serves; it owns us
         self._algorithm = _algorithm()
+        self._collectives = _collectives()
+        self._shm: bool | None = None  # do the other collectives go through shared memory? (decided on first use)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = _Pending()  # jobs submitted and not yet finished
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         weakref.finalize(group, self._jobs.put, None)  # the thread ends with the group
@@ -58,19 +78,111 @@ class CommlabBackend(_C10dBackend):
             return self._gloo().allreduce(tensors, opts)
         # opts.reduceOp is a new object on every call: the plan cache keys ops by identity,
         # so pass commlab's own (stable) Op, else every call would be planned afresh.
-        tensor, op, group = tensors[0], parse_op(opts.reduceOp), self._group()
-        return self._submit(lambda: api.all_reduce(tensor, op, group, algorithm=self._algorithm), [tensor])
+        tensor, op, group, algorithm = tensors[0], parse_op(opts.reduceOp), self._group, self._algorithm
+        return self._submit(lambda: api.all_reduce(tensor, op, _alive(group), algorithm=algorithm), [tensor])
+
+    def all_gather_single(self, output, inp, opts):
+        if _internal() or not (_dense(output) and _dense(inp) and output.dtype == inp.dtype
+                               and output.numel() == inp.numel() * self.size()):
+            return self._delegate("all_gather_single", output, inp, opts)
+        return self._shm_or_gloo(lambda info: shm.all_gather(_flat(output), _flat(inp), info, LABEL), [output],
+                                 "all_gather_single", output, inp, opts)
+
+    def allgather(self, outputs, inputs, opts):
+        p = self.size()
+        if _internal() or len(inputs) != 1 or len(outputs) != 1 or len(outputs[0]) != p or not _dense(inputs[0]) \
+                or not all(_dense(o) and o.dtype == inputs[0].dtype and o.numel() == inputs[0].numel()
+                           for o in outputs[0]):
+            return self._delegate("allgather", outputs, inputs, opts)
+        inp, outs = inputs[0], outputs[0]
+
+        def run(info):
+            flat = torch.empty(p * inp.numel(), dtype=inp.dtype)
+            shm.all_gather(flat, _flat(inp), info, LABEL)
+            for j, o in enumerate(outs):
+                o.copy_(flat[j * inp.numel():(j + 1) * inp.numel()].view_as(o))
+
+        return self._shm_or_gloo(run, outputs, "allgather", outputs, inputs, opts)
+
+    def reduce_scatter_single(self, output, inp, opts):
+        op = _reduce_op(opts.reduceOp)
+        if _internal() or op is None or not (_dense(output) and _dense(inp) and output.dtype == inp.dtype
+                                             and output.dtype in SUPPORTED_DTYPES
+                                             and inp.numel() == output.numel() * self.size()):
+            return self._delegate("reduce_scatter_single", output, inp, opts)
+
+        def run(info):
+            out = _flat(output)
+            shm.reduce_scatter(out, _flat(inp), int(Op.SUM if op is Op.AVG else op), info, LABEL)
+            if op is Op.AVG:
+                finish_average_(out, info.size)
+
+        return self._shm_or_gloo(run, [output], "reduce_scatter_single", output, inp, opts)
+
+    def reduce_scatter(self, outputs, inputs, opts):
+        op = _reduce_op(opts.reduceOp)
+        p = self.size()
+        if _internal() or op is None or len(outputs) != 1 or len(inputs) != 1 or len(inputs[0]) != p \
+                or not _dense(outputs[0]) or outputs[0].dtype not in SUPPORTED_DTYPES \
+                or not all(_dense(i) and i.dtype == outputs[0].dtype and i.numel() == outputs[0].numel()
+                           for i in inputs[0]):
+            return self._delegate("reduce_scatter", outputs, inputs, opts)
+        output = outputs[0]
+
+        def run(info):
+            out = _flat(output)
+            flat = torch.cat([i.reshape(-1) for i in inputs[0]])
+            shm.reduce_scatter(out, flat, int(Op.SUM if op is Op.AVG else op), info, LABEL)
+            if op is Op.AVG:
+                finish_average_(out, info.size)
+
+        return self._shm_or_gloo(run, outputs, "reduce_scatter", outputs, inputs, opts)
+
+    def broadcast(self, tensors, opts):
+        if _internal() or len(tensors) != 1 or not _dense(tensors[0]):
+            return self._delegate("broadcast", tensors, opts)
+        t, root = tensors[0], opts.rootRank
+        return self._shm_or_gloo(lambda info: shm.broadcast(_flat(t), root, info, LABEL), tensors,
+                                 "broadcast", tensors, opts)
 
     def barrier(self, opts=None):
-        if not _internal():
-            self._submit(lambda: None, []).wait()  # everything queued before the barrier completes first
-        gloo = self._gloo()
-        return gloo.barrier(opts) if opts is not None else gloo.barrier()
+        args = () if opts is None else (opts,)
+        if _internal():
+            return self._inner.barrier(*args)
+        return self._shm_or_gloo(lambda info: shm.barrier(info, LABEL), [], "barrier", *args)
+
+    # -- shared memory or gloo ----------------------------------------------------------
+
+    def _shm_or_gloo(self, run, result, name, *args):
+        """`run(info)` on the backend's thread when shared memory serves the group's other
+        collectives, else gloo's `name(*args)` (after everything queued before it)."""
+        if self._shm is False:
+            return self._delegate(name, *args)
+        if self._shm is None:
+            # Decided once, collectively, in call order (every rank makes its first such
+            # call at the same point); the call then goes the way decided.
+            decided: list[bool] = []
+            group, knob = self._group, self._collectives
+            self._submit(lambda: decided.append(_decide(_alive(group), knob)), []).wait()
+            self._shm = decided[0]
+            if not self._shm:
+                return self._delegate(name, *args)
+        group = self._group
+        return self._submit(lambda: run(groups.resolve(_alive(group))), result)
 
     # -- everything else: gloo ----------------------------------------------------------
 
     def _gloo(self):
         return self._inner if _internal() else self._front
+
+    def _delegate(self, name, *args):
+        """gloo's `name(*args)`; from the caller, only once every call queued before it
+        has run (so calls on the group keep their order and never race on a tensor)."""
+        if _internal():
+            return getattr(self._inner, name)(*args)
+        if self._pending.count and threading.current_thread() is not self._thread:
+            self._submit(lambda: None, []).wait()
+        return getattr(self._front, name)(*args)
 
     # -- the backend's thread -----------------------------------------------------------
 
@@ -87,8 +199,40 @@ class CommlabBackend(_C10dBackend):
                 self._thread = threading.Thread(target=_serve, args=(self._jobs,), name="commlab-backend",
                                                 daemon=True)
                 self._thread.start()
-        self._jobs.put((job, fut, result))
+        self._pending.add(1)
+        # What goes on the queue must not hold the backend: the thread would then free it
+        # (and its gloo groups) after the job, and at interpreter exit that aborts the
+        # process ("terminate called without an active exception").
+        self._jobs.put((job, fut, result, self._pending))
         return _Work(fut, result)
+
+
+class _Pending:
+    def __init__(self):
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.count += n
+
+
+def _alive(ref) -> dist.ProcessGroup:
+    group = ref()
+    if group is None:
+        raise CommlabError("commlab backend: the process group was destroyed with this call still queued")
+    return group
+
+
+def _decide(group, knob: str) -> bool:
+    """Do the collectives other than all_reduce go through shared memory? Collective."""
+    info = groups.resolve(group)
+    facts = gather(info, (host_id(), knob), LABEL, "choosing where collectives go")
+    if len({f[1] for f in facts}) > 1:
+        raise CollectiveMismatchError(
+            "commlab backend: ranks set COMMLAB_COLLECTIVES differently: " +
+            ", ".join(f"rank {info.global_rank(r)}: {f[1]}" for r, f in enumerate(facts)))
+    return knob == "shm" and len({f[0] for f in facts}) == 1
 
 
 class _Work(_C10dWork):
@@ -123,14 +267,12 @@ class _Work(_C10dWork):
         return self._result
 
 
-# Everything but all_reduce and barrier: the gloo backend's method of the same name (its
-# Python names are those PyBackend looks up on us).
-for _name in ("broadcast", "allgather", "all_gather_single", "allgather_coalesced", "all_gather_single_coalesced",
-              "allreduce_coalesced", "allreduce_sparse", "reduce", "gather", "gather_single", "scatter",
-              "reduce_scatter", "reduce_scatter_single", "reduce_scatter_single_coalesced", "alltoall",
+# Everything else: the gloo backend's method of the same name (its Python names are
+# those PyBackend looks up on us).
+for _name in ("allgather_coalesced", "all_gather_single_coalesced", "allreduce_coalesced", "allreduce_sparse",
+              "reduce", "gather", "gather_single", "scatter", "reduce_scatter_single_coalesced", "alltoall",
               "all_to_all_single", "send", "recv", "recv_anysource"):
-    setattr(CommlabBackend, _name,
-            (lambda name: lambda self, *args: getattr(self._gloo(), name)(*args))(_name))
+    setattr(CommlabBackend, _name, (lambda name: lambda self, *args: self._delegate(name, *args))(_name))
 
 
 def _internal() -> bool:
@@ -143,6 +285,23 @@ def _served(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.layout == torch.strided and not t.is_sparse
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """What the shared-memory collectives take: contiguous CPU memory, read as bytes."""
+    return _served(t) and t.is_contiguous() and not t.is_neg() and not t.is_conj()
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 1 else t.view(-1)
+
+
+def _reduce_op(op) -> Op | None:
+    """commlab's Op for a c10d ReduceOp it serves, None for the rest (PREMUL_SUM, BAND...)."""
+    try:
+        return parse_op(op)
+    except Exception:  # noqa: BLE001 - whatever commlab cannot reduce, gloo does or explains
+        return None
+
+
 def _serve(jobs: queue.SimpleQueue) -> None:
     """Runs a backend's commlab calls in order."""
     while True:
@@ -150,9 +309,10 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         if item is None:
             return
         _run(*item)
+        item = None  # nothing of a finished job stays alive while the thread waits
 
 
-def _run(job, fut: torch.futures.Future, result) -> None:
+def _run(job, fut: torch.futures.Future, result, pending: _Pending | None = None) -> None:
     # While commlab works, whatever it issues on the group goes to the inner gloo backend;
     # the future's callbacks are the caller's code again.
     _inside.on = True
@@ -163,6 +323,8 @@ def _run(job, fut: torch.futures.Future, result) -> None:
         error = e
     finally:
         _inside.on = False
+        if pending is not None:
+            pending.add(-1)  # before the caller can see the future complete
     if error is None:
         fut.set_result(result)
     else:

@@ -1,5 +1,6 @@
 """Shared-memory communicators (commlab._C.ShmComm), one per process group, set up on
-first use and cached.
+first use and cached: all_reduce for the algorithms, and all-gather, reduce-scatter,
+broadcast and barrier for the torch.distributed backend.
 
 Setup is itself collective and agreed: host ids are gathered (a group spanning hosts
 is refused identically on every rank), rank 0 draws a 128-bit token that names the
@@ -146,6 +147,30 @@ def state_of(info: GroupInfo) -> Entry:
 
 def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm: str,
                entry: Entry | None = None) -> None:
+    _call(info, algorithm, lambda comm: comm.allreduce(buf, op, mode), entry)
+
+
+# The backend's other collectives (commlab/core/backend.py): the same communicator and
+# sequence as all_reduce, so a rank that calls another collective than its peers gets
+# a mismatch error, never another call's data.
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, info: GroupInfo, algorithm: str) -> None:
+    _call(info, algorithm, lambda comm: comm.allgather(out, inp))
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: int, info: GroupInfo, algorithm: str) -> None:
+    _call(info, algorithm, lambda comm: comm.reduce_scatter(out, inp, op))
+
+
+def broadcast(tensor: torch.Tensor, root: int, info: GroupInfo, algorithm: str) -> None:
+    _call(info, algorithm, lambda comm: comm.broadcast(tensor, root))
+
+
+def barrier(info: GroupInfo, algorithm: str) -> None:
+    _call(info, algorithm, lambda comm: comm.barrier())
+
+
+def _call(info: GroupInfo, algorithm: str, run, entry: Entry | None = None) -> None:
     if entry is None:
         entry = _entries.get(info.group)
     with entry.lock:
@@ -153,7 +178,7 @@ def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm
         if comm is None:
             comm = _ready(entry, info, algorithm)
         try:
-            comm.allreduce(buf, op, mode)
+            run(comm)
         except BaseException as e:
             raise _call_failed(entry, comm, e, algorithm) from None
 

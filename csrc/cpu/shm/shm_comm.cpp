@@ -29,7 +29,7 @@ namespace commlab {
 namespace {
 
 constexpr uint64_t kMagic = 0x31424c4d4d4f43ull;  // "COMMLB1"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 constexpr int64_t kDataOffset = 4096;
 constexpr int kReasonBytes = 1024;
 constexpr int64_t kSliceMs = 50;     // longest futex sleep: bounds how late a signal or a death is seen
@@ -58,15 +58,21 @@ struct alignas(64) WakeLine {
 
 // The whole call a piece belongs to, by piece parity: peers compare it before reading,
 // so a piece never pairs with a piece of another call.
+// Which collective a call is: part of the record, so ranks that called different
+// collectives fail with a mismatch instead of exchanging the wrong data.
+enum Kind : int32_t { kAllReduce = 0, kAllGather = 1, kReduceScatter = 2, kBroadcast = 3, kBarrier = 4 };
+
 struct alignas(64) CallInfo {
   uint64_t piece_seq;
   uint64_t call;
-  int64_t total;  // bytes of the whole call
+  int64_t total;  // bytes of the whole call (all-gather: per rank; reduce-scatter: per rank's whole input)
   int64_t index;  // piece index within the call
   int64_t nbytes;
   int32_t dtype;
   int32_t op;
   int32_t mode;
+  int32_t kind;
+  int32_t root;
 };
 
 // Why a rank gave up, set once: kind << 32 | (global rank of the cause + 1). The reason
@@ -112,11 +118,26 @@ const char* mode_name(int mode) {
   return mode >= 0 && mode < 4 ? names[mode] : "?";
 }
 
+const char* kind_name(int kind) {
+  static const char* names[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"};
+  return kind >= 0 && kind < 5 ? names[kind] : "?";
+}
+
 }  // namespace
 
 // A segment stays open as well as mapped: the owner holds an exclusive flock on it for
 // its lifetime and peers probe that lock to learn whether the owner is gone. Unlike a
 // pid, a lock means the same in every PID namespace and cannot be reused.
+// What every piece of a call records (CallInfo less the per-piece fields).
+struct ShmComm::Call {
+  int32_t kind;
+  int64_t total;
+  int32_t dtype;
+  int32_t op;
+  int32_t mode;
+  int32_t root;
+};
+
 struct ShmComm::Segment {
   std::string name;
   void* base = nullptr;
@@ -466,17 +487,28 @@ void ShmComm::wait_seq(int peer, uint64_t target) {
   }
 }
 
-void ShmComm::write_info(uint64_t piece_seq, int64_t total, int64_t index, int64_t nbytes, int dtype, int op,
-                         int mode) {
-  CallInfo& ci = segs_[rank_]->ctl()->info[piece_seq & 1];
-  ci.piece_seq = piece_seq;
+// Records piece c of `call` and announces it (phase 1): the caller copied its data first.
+void ShmComm::begin(uint64_t c, const Call& call, int64_t index, int64_t nbytes) {
+  CallInfo& ci = segs_[rank_]->ctl()->info[c & 1];
+  ci.piece_seq = c;
   ci.call = calls_;
-  ci.total = total;
+  ci.total = call.total;
   ci.index = index;
   ci.nbytes = nbytes;
-  ci.dtype = dtype;
-  ci.op = op;
-  ci.mode = mode;
+  ci.dtype = call.dtype;
+  ci.op = call.op;
+  ci.mode = call.mode;
+  ci.kind = call.kind;
+  ci.root = call.root;
+  publish(c * 4 + 1);
+}
+
+// Waits for `peer` to reach piece c, phase `phase`, having checked its record first: a
+// peer in another collective never publishes our phase 2, but always its phase 1.
+void ShmComm::await_checked(int peer, uint64_t c, uint64_t phase) {
+  wait_for(peer, c * 4 + 1);
+  check_info(peer, c);
+  if (phase > 1) wait_for(peer, c * 4 + phase);
 }
 
 void ShmComm::check_info(int peer, uint64_t piece_seq) {
@@ -484,18 +516,24 @@ void ShmComm::check_info(int peer, uint64_t piece_seq) {
   const CallInfo& theirs = segs_[peer]->ctl()->info[piece_seq & 1];
   if (theirs.piece_seq == mine.piece_seq && theirs.call == mine.call && theirs.total == mine.total &&
       theirs.index == mine.index && theirs.nbytes == mine.nbytes && theirs.dtype == mine.dtype &&
-      theirs.op == mine.op && theirs.mode == mine.mode) {
+      theirs.op == mine.op && theirs.mode == mine.mode && theirs.kind == mine.kind && theirs.root == mine.root) {
     return;
   }
   auto describe = [](std::ostringstream& out, int64_t rank, const CallInfo& ci) {
-    out << "rank " << rank << ": call " << ci.call << " of " << ci.total << " bytes of "
-        << c10::toString(static_cast<c10::ScalarType>(ci.dtype)) << ", op " << op_name(ci.op) << ", "
-        << mode_name(ci.mode) << " (piece " << ci.index << ", " << ci.nbytes << " bytes)";
+    out << "rank " << rank << ": call " << ci.call << " " << kind_name(ci.kind);
+    if (ci.kind == kBarrier) return;
+    out << " of " << ci.total << " bytes of " << c10::toString(static_cast<c10::ScalarType>(ci.dtype));
+    if (ci.kind == kAllReduce || ci.kind == kReduceScatter) out << ", op " << op_name(ci.op);
+    if (ci.kind == kAllReduce) out << ", " << mode_name(ci.mode);
+    if (ci.kind == kBroadcast) out << " from rank " << ci.root;
+    out << " (piece " << ci.index << ", " << ci.nbytes << " bytes)";
   };
   // Both records in rank order: ranks that find the same difference report it alike.
   const bool me_first = global_ranks_[rank_] < global_ranks_[peer];
   std::ostringstream msg;
-  msg << "commlab shm: mismatch: ranks called all_reduce differently: ";
+  msg << "commlab shm: mismatch: ranks called ";
+  if (mine.kind == theirs.kind) msg << kind_name(mine.kind) << " differently: ";
+  else msg << "different collectives: ";
   describe(msg, me_first ? global_ranks_[rank_] : global_ranks_[peer], me_first ? mine : theirs);
   msg << "; ";
   describe(msg, me_first ? global_ranks_[peer] : global_ranks_[rank_], me_first ? theirs : mine);
@@ -506,21 +544,17 @@ void ShmComm::piece(char* dst, const char* src, int64_t total, int64_t index, in
                     c10::ScalarType dtype, int op, ShmMode mode) {
   const uint64_t c = ++seq_;
   const int par = static_cast<int>(c & 1);
-  const int dcode = static_cast<int>(dtype);
-  const int mcode = static_cast<int>(mode);
   const int64_t count = nbytes / elsize;
   const void** ptrs = ptrs_.data();
 
   std::memcpy(segs_[rank_]->data(par, capacity_), src, nbytes);
-  write_info(c, total, index, nbytes, dcode, op, mcode);
-  publish(c * 4 + 1);
+  begin(c, Call{kAllReduce, total, static_cast<int32_t>(dtype), op, static_cast<int32_t>(mode), -1}, index, nbytes);
 
   if (mode == ShmMode::kOneShot) {
     // Every rank reduces everything, in rank order: identical bits on every rank.
     for (int j = 0; j < world_; ++j) {
       if (j != rank_) {
-        wait_for(j, c * 4 + 1);
-        check_info(j, c);
+        await_checked(j, c, 1);
       }
       ptrs[j] = segs_[j]->data(par, capacity_);
     }
@@ -531,8 +565,7 @@ void ShmComm::piece(char* dst, const char* src, int64_t total, int64_t index, in
   if (mode == ShmMode::kRoot) {
     if (rank_ == 0) {
       for (int j = 1; j < world_; ++j) {
-        wait_for(j, c * 4 + 1);
-        check_info(j, c);
+        await_checked(j, c, 1);
       }
       for (int j = 0; j < world_; ++j) ptrs[j] = segs_[j]->data(par, capacity_);
       char* result = segs_[0]->data(par, capacity_);
@@ -540,8 +573,7 @@ void ShmComm::piece(char* dst, const char* src, int64_t total, int64_t index, in
       publish(c * 4 + 2);
       std::memcpy(dst, result, nbytes);
     } else {
-      wait_for(0, c * 4 + 2);
-      check_info(0, c);
+      await_checked(0, c, 2);
       std::memcpy(dst, segs_[0]->data(par, capacity_), nbytes);
     }
     return;
@@ -557,8 +589,7 @@ void ShmComm::piece(char* dst, const char* src, int64_t total, int64_t index, in
   };
   for (int j = 0; j < world_; ++j) {
     if (j != rank_) {
-      wait_for(j, c * 4 + 1);
-      check_info(j, c);
+      await_checked(j, c, 1);
     }
   }
   int64_t off, len;
@@ -583,6 +614,28 @@ bool ShmComm::try_allreduce(const torch::Tensor& t, int64_t op, int64_t mode, in
   return true;
 }
 
+// Runs a call's pieces without the GIL. Anything but a protocol failure mid-call still
+// leaves peers waiting on this rank: tell them.
+template <class Body>
+void ShmComm::guarded(Body&& body) {
+  ++calls_;
+  pybind11::gil_scoped_release no_gil;
+  try {
+    body();
+  } catch (const MismatchError&) {
+    throw;
+  } catch (const PeerLostError&) {
+    throw;
+  } catch (const pybind11::error_already_set&) {
+    throw;
+  } catch (const std::exception& e) {
+    const std::string why = "commlab shm: rank " + std::to_string(global_ranks_[rank_]) + " failed: " + e.what();
+    mark_aborted(kError, global_ranks_[rank_], why);
+    broken_ = why;
+    throw;
+  }
+}
+
 void ShmComm::allreduce(const torch::Tensor& t, int64_t op, int64_t mode) {
   check_usable();  // before anything shared is touched (a forked child stops here)
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "commlab shm: needs a contiguous CPU tensor");
@@ -595,9 +648,7 @@ void ShmComm::allreduce(const torch::Tensor& t, int64_t op, int64_t mode) {
   const int64_t max_piece = (capacity_ / elsize) * elsize;
   char* data = static_cast<char*>(t.data_ptr());
   const auto dtype = t.scalar_type();
-  ++calls_;
-  pybind11::gil_scoped_release no_gil;
-  try {
+  guarded([&] {
     int64_t index = 0;
     for (int64_t done = 0; done < nbytes; done += max_piece, ++index) {
       const int64_t n = std::min(max_piece, nbytes - done);
@@ -605,19 +656,135 @@ void ShmComm::allreduce(const torch::Tensor& t, int64_t op, int64_t mode) {
       if (m == ShmMode::kAuto) m = (n <= oneshot_max_) ? ShmMode::kOneShot : ShmMode::kTwoShot;
       piece(data + done, data + done, nbytes, index, n, elsize, dtype, static_cast<int>(op), m);
     }
-  } catch (const MismatchError&) {
-    throw;
-  } catch (const PeerLostError&) {
-    throw;
-  } catch (const pybind11::error_already_set&) {
-    throw;
-  } catch (const std::exception& e) {
-    // Anything else mid-call still leaves peers waiting on this rank: tell them.
-    const std::string why = "commlab shm: rank " + std::to_string(global_ranks_[rank_]) + " failed: " + e.what();
-    mark_aborted(kError, global_ranks_[rank_], why);
-    broken_ = why;
-    throw;
+  });
+}
+
+namespace {
+void check_dense(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.layout() == c10::kStrided && t.is_contiguous() && !t.is_neg() && !t.is_conj(),
+              "commlab shm: ", what, " must be a contiguous CPU tensor");
+}
+}  // namespace
+
+void ShmComm::allgather(const torch::Tensor& out, const torch::Tensor& in) {
+  check_usable();
+  check_dense(out, "all_gather's output");
+  check_dense(in, "all_gather's input");
+  TORCH_CHECK(out.scalar_type() == in.scalar_type(), "commlab shm: all_gather's input and output differ in dtype");
+  TORCH_CHECK(out.numel() == in.numel() * world_, "commlab shm: all_gather's output must hold world size x input");
+  const int64_t elsize = in.element_size();
+  const int64_t nbytes = in.numel() * elsize;
+  char* dst = static_cast<char*>(out.data_ptr());
+  const char* src = static_cast<const char*>(in.data_ptr());
+  if (nbytes == 0) return;
+  if (world_ == 1) {
+    if (dst != src) std::memmove(dst, src, nbytes);
+    return;
   }
+  const int64_t max_piece = (capacity_ / elsize) * elsize;
+  const Call call{kAllGather, nbytes, static_cast<int32_t>(in.scalar_type()), -1, -1, -1};
+  guarded([&] {
+    int64_t index = 0;
+    for (int64_t done = 0; done < nbytes; done += max_piece, ++index) {
+      const int64_t n = std::min(max_piece, nbytes - done);
+      const uint64_t c = ++seq_;
+      const int par = static_cast<int>(c & 1);
+      std::memcpy(segs_[rank_]->data(par, capacity_), src + done, n);
+      begin(c, call, index, n);
+      // Our own slice comes from our segment too: `in` may be a view of that very slice of `out`.
+      for (int k = 0; k < world_; ++k) {
+        const int j = (rank_ + k) % world_;  // start at different peers to spread the reads
+        if (j != rank_) await_checked(j, c, 1);
+        std::memcpy(dst + j * nbytes + done, segs_[j]->data(par, capacity_), n);
+      }
+    }
+  });
+}
+
+void ShmComm::reduce_scatter(const torch::Tensor& out, const torch::Tensor& in, int64_t op) {
+  check_usable();
+  check_dense(out, "reduce_scatter's output");
+  check_dense(in, "reduce_scatter's input");
+  TORCH_CHECK(op >= 0 && op <= 3, "commlab shm: op code must be 0..3");
+  TORCH_CHECK(out.scalar_type() == in.scalar_type(), "commlab shm: reduce_scatter's input and output differ in dtype");
+  TORCH_CHECK(in.numel() == out.numel() * world_, "commlab shm: reduce_scatter's input must hold world size x output");
+  const int64_t elsize = in.element_size();
+  const int64_t nbytes = out.numel() * elsize;  // per rank
+  char* dst = static_cast<char*>(out.data_ptr());
+  const char* src = static_cast<const char*>(in.data_ptr());
+  if (nbytes == 0) return;
+  if (world_ == 1) {
+    if (dst != src) std::memmove(dst, src, nbytes);
+    return;
+  }
+  // A piece holds the same stretch of every rank's slice.
+  const int64_t max_piece = (capacity_ / (elsize * world_)) * elsize;
+  TORCH_CHECK(max_piece > 0, "commlab shm: capacity too small for reduce_scatter among ", world_, " ranks");
+  const auto dtype = in.scalar_type();
+  const Call call{kReduceScatter, nbytes * world_, static_cast<int32_t>(dtype), static_cast<int32_t>(op), -1, -1};
+  guarded([&] {
+    const void** ptrs = ptrs_.data();
+    int64_t index = 0;
+    for (int64_t done = 0; done < nbytes; done += max_piece, ++index) {
+      const int64_t n = std::min(max_piece, nbytes - done);
+      const uint64_t c = ++seq_;
+      const int par = static_cast<int>(c & 1);
+      char* own = segs_[rank_]->data(par, capacity_);
+      for (int j = 0; j < world_; ++j) std::memcpy(own + j * n, src + j * nbytes + done, n);
+      begin(c, call, index, n);
+      for (int j = 0; j < world_; ++j) {
+        if (j != rank_) await_checked(j, c, 1);
+        ptrs[j] = segs_[j]->data(par, capacity_) + rank_ * n;
+      }
+      reduce_n_raw(dst + done, ptrs, world_, n / elsize, dtype, static_cast<RedOp>(op));
+    }
+  });
+}
+
+void ShmComm::broadcast(const torch::Tensor& t, int64_t root) {
+  check_usable();
+  check_dense(t, "broadcast's tensor");
+  TORCH_CHECK(root >= 0 && root < world_, "commlab shm: broadcast root ", root, " is not a rank of this group");
+  const int64_t elsize = t.element_size();
+  const int64_t nbytes = t.numel() * elsize;
+  if (nbytes == 0 || world_ == 1) return;
+  const int64_t max_piece = (capacity_ / elsize) * elsize;
+  char* data = static_cast<char*>(t.data_ptr());
+  const int from = static_cast<int>(root);
+  const Call call{kBroadcast, nbytes, static_cast<int32_t>(t.scalar_type()), -1, -1, static_cast<int32_t>(root)};
+  guarded([&] {
+    int64_t index = 0;
+    for (int64_t done = 0; done < nbytes; done += max_piece, ++index) {
+      const int64_t n = std::min(max_piece, nbytes - done);
+      const uint64_t c = ++seq_;
+      const int par = static_cast<int>(c & 1);
+      if (rank_ == from) {
+        std::memcpy(segs_[rank_]->data(par, capacity_), data + done, n);
+        begin(c, call, index, n);
+        // Phase 2 says every rank is at this piece: a receiver then knows every peer is.
+        for (int j = 0; j < world_; ++j) {
+          if (j != rank_) await_checked(j, c, 1);
+        }
+        publish(c * 4 + 2);
+      } else {
+        begin(c, call, index, n);
+        await_checked(from, c, 2);
+        std::memcpy(data + done, segs_[from]->data(par, capacity_), n);
+      }
+    }
+  });
+}
+
+void ShmComm::barrier() {
+  check_usable();
+  if (world_ == 1) return;
+  guarded([&] {
+    const uint64_t c = ++seq_;
+    begin(c, Call{kBarrier, 0, -1, -1, -1, -1}, 0, 0);
+    for (int j = 0; j < world_; ++j) {
+      if (j != rank_) await_checked(j, c, 1);
+    }
+  });
 }
 
 }  // namespace commlab

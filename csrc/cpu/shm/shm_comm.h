@@ -1,4 +1,6 @@
-// Shared-memory all-reduce for CPU ranks on one host.
+// Shared-memory collectives for CPU ranks on one host: all-reduce (one-shot, two-shot,
+// root), and the pieces of two-shot on their own (all-gather, reduce-scatter), broadcast
+// and barrier, which the torch.distributed backend serves through the same sequence.
 //
 // Each rank owns one segment (created O_EXCL, mode 0600, name from a 128-bit token the
 // group agreed on), with a header validated on attach, a sequence counter and a futex
@@ -13,6 +15,11 @@
 // pairs with a piece of another call. A rank that gives up for any reason (mismatch,
 // deadline, dead peer, signal, error) marks its segment aborted with the reason and
 // wakes every waiter: all ranks fail at once, with the same cause.
+//
+// By the end of piece c every rank has seen (itself or through a peer that waited on all)
+// every rank at piece c: a waiter for a peer's second phase first checks that peer's
+// record, so ranks that called different collectives always meet a check, never a wait
+// that cannot end.
 #pragma once
 
 #include <torch/extension.h>
@@ -42,6 +49,12 @@ class ShmComm {
   // allreduce() for a call like the plan's (CPU, strided, contiguous, this dtype); false, touching nothing,
   // for any other tensor.
   bool try_allreduce(const torch::Tensor& t, int64_t op, int64_t mode, int64_t dtype);
+  // out (world * n elements) = every rank's in (n elements), in rank order.
+  void allgather(const torch::Tensor& out, const torch::Tensor& in);
+  // out (n elements) = the reduction of every rank's slice `rank` of in (world * n elements).
+  void reduce_scatter(const torch::Tensor& out, const torch::Tensor& in, int64_t op);
+  void broadcast(const torch::Tensor& t, int64_t root);
+  void barrier();
   void close();
 
   // Removes every rank's segment name of a group (after a failed setup: survivors
@@ -62,6 +75,11 @@ class ShmComm {
 
  private:
   struct Segment;
+  struct Call;
+  template <class Body>
+  void guarded(Body&& body);
+  void begin(uint64_t c, const Call& call, int64_t index, int64_t nbytes);
+  void await_checked(int peer, uint64_t c, uint64_t phase);
   void check_usable() const;
   void publish(uint64_t value);
   void wait_for(int peer, uint64_t target);
@@ -72,7 +90,6 @@ class ShmComm {
   [[noreturn]] void give_up(uint32_t kind, int64_t cause, const std::string& why);
   [[noreturn]] void relay(int peer);
   void check_aborts();
-  void write_info(uint64_t piece_seq, int64_t total, int64_t index, int64_t nbytes, int dtype, int op, int mode);
   void check_info(int peer, uint64_t piece_seq);
   bool peer_alive(int peer) const;
   void piece(char* dst, const char* src, int64_t total, int64_t index, int64_t nbytes, int64_t elsize,
