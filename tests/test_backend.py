@@ -473,3 +473,64 @@ def test_commlab_collectives_gloo_sends_them_to_gloo():
     finally:
         pool.close()
     assert res == [{"right": True, "shm calls": 0}] * 2, res
+
+
+def every_algorithm_on_a_commlab_group(rank, p):
+    """commlab.all_reduce with every registered CPU algorithm on a commlab group: what the
+    algorithms issue on the group goes to the backend's inner gloo. `builtin` deadlocked
+    (its inline call held the group's lane, the backend's thread waited for it) and the
+    p2p algorithms died in RecursionError (batch_isend_irecv asks the backend whether it
+    supports coalescing, and torch's PyBackend asked itself again)."""
+    out = {}
+    for name in commlab.algorithm_names():
+        if "cpu" not in commlab.get_algorithm(name).devices:
+            continue
+        t = torch.arange(1000.0) + rank
+        try:
+            commlab.all_reduce(t, algorithm=name)
+            out[name] = torch.equal(t, p * torch.arange(1000.0) + sum(range(p)))
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            out[name] = f"{type(e).__name__}: {str(e)[:300]}"
+    return out
+
+
+def test_every_algorithm_runs_on_a_commlab_group(commlab_ranks):
+    for rank, got in enumerate(commlab_ranks(3, every_algorithm_on_a_commlab_group, timeout=120)):
+        assert got and all(v is True for v in got.values()), (rank, got)
+        assert {"builtin", "ring", "shm", "auto"} <= set(got), got
+
+
+def where_calls_run(rank, p):
+    """A blocking dist.all_reduce / broadcast runs on the caller's thread (the hop to the
+    backend's thread cost ~120 us per 4 KiB call); async calls run on the backend's."""
+    import threading
+
+    from commlab.core import backend
+    seen = []
+    real_all_reduce, real_broadcast = backend.api.all_reduce, backend.shm.broadcast
+
+    def all_reduce(*a, **k):
+        seen.append(("all_reduce", threading.current_thread().name))
+        return real_all_reduce(*a, **k)
+
+    def broadcast(*a, **k):
+        seen.append(("broadcast", threading.current_thread().name))
+        return real_broadcast(*a, **k)
+
+    backend.api.all_reduce, backend.shm.broadcast = all_reduce, broadcast
+    try:
+        t = torch.ones(10)
+        dist.all_reduce(t)
+        dist.all_reduce(t, async_op=True).wait()
+        dist.broadcast(t, src=0)
+        dist.broadcast(t, src=0, async_op=True).wait()
+    finally:
+        backend.api.all_reduce, backend.shm.broadcast = real_all_reduce, real_broadcast
+    return {"seen": seen, "main": threading.current_thread().name, "right": torch.equal(t, torch.full((10,), p * p))}
+
+
+def test_blocking_calls_run_on_the_callers_thread(commlab_ranks):
+    for got in commlab_ranks(2, where_calls_run):
+        main = got["main"]
+        assert got["right"] and got["seen"] == [("all_reduce", main), ("all_reduce", "commlab-backend"),
+                                                ("broadcast", main), ("broadcast", "commlab-backend")], got

@@ -45,6 +45,20 @@ def test_bench_cli_spawn_json(tmp_path, op, dtype):
     assert csv.read_text().startswith("algorithm,bytes,count")
 
 
+def test_bench_on_the_commlab_backend_measures_it_beside_gloo(tmp_path):
+    """--backend commlab: every algorithm right on a commlab world group, and a
+    builtin@commlab row (dist.all_reduce as unchanged training code calls it)."""
+    out = tmp_path / "r.json"
+    proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "2", "--backend", "commlab", "-b", "4K", "-e", "64K",
+                 "-f", "16", "--anchors", "none", "-n", "3", "-w", "1", "--rounds", "1", "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["env"]["backend"] == "commlab"
+    names = {r["algorithm"] for r in doc["results"]}
+    assert names == set(commlab.algorithms.for_device("cpu")) | {"builtin@commlab"}, names
+    assert all(r["wrong"] == 0 for r in doc["results"]), doc["results"]
+
+
 def test_bench_cli_rejects_unknown_algorithm():
     proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "2", "--algorithms", "ring,nope", "-e", "8"])
     assert proc.returncode != 0

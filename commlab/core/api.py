@@ -49,7 +49,8 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, *, algorithm: str = "ri
     plan = _plan(tensor, op, group, algorithm)
     if not async_op and plan.lane.try_inline():
         try:
-            plan.execute(tensor)
+            with lanes.running():  # what the algorithm issues on the group is commlab's own traffic
+                plan.execute(tensor)
         finally:
             plan.lane.end_inline()
         return None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import weakref
 
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch._C._distributed_c10d import Work as _C10dWork
 
-from commlab.core import api, groups
+from commlab.core import api, groups, lanes
 from commlab.core.errors import CollectiveMismatchError, CommlabError
 from commlab.core.reduction import SUPPORTED_DTYPES, Op, finish_average_, parse_op
 from commlab.transports import shm
@@ -37,7 +38,6 @@ from commlab.transports.setup import gather, host_id
 
 NAME = "commlab"
 LABEL = "backend"  # how errors name the backend's own calls: commlab[backend]
-_inside = threading.local()  # set on the threads that run commlab's algorithms
 
 
 def _algorithm() -> str:
@@ -71,6 +71,16 @@ class CommlabBackend(_C10dBackend):
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return NAME
 
+    # torch 2.14's PyBackend reads these through Python attribute lookup, which finds
+    # its own C++ property that asks Python again: without an override, any query
+    # (batch_isend_irecv asks supports_coalescing) recursed until RecursionError.
+    supports_coalescing = property(lambda self: False)
+    supports_splitting = property(lambda self: False)
+    supports_time_estimate = property(lambda self: False)
+    supports_shrinking = property(lambda self: False)
+    supports_reconfigure = property(lambda self: False)
+    supports_window = property(lambda self: False)
+
     # -- the collectives commlab serves -------------------------------------------------
 
     def allreduce(self, tensors, opts):
@@ -79,7 +89,8 @@ class CommlabBackend(_C10dBackend):
         # opts.reduceOp is a new object on every call: the plan cache keys ops by identity,
         # so pass commlab's own (stable) Op, else every call would be planned afresh.
         tensor, op, group, algorithm = tensors[0], parse_op(opts.reduceOp), self._group, self._algorithm
-        return self._submit(lambda: api.all_reduce(tensor, op, _alive(group), algorithm=algorithm), [tensor])
+        return self._submit(lambda: api.all_reduce(tensor, op, _alive(group), algorithm=algorithm), [tensor],
+                            _caller_waits())
 
     def all_gather_single(self, output, inp, opts):
         if _internal() or not (_dense(output) and _dense(inp) and output.dtype == inp.dtype
@@ -168,7 +179,7 @@ class CommlabBackend(_C10dBackend):
             if not self._shm:
                 return self._delegate(name, *args)
         group = self._group
-        return self._submit(lambda: run(groups.resolve(_alive(group))), result)
+        return self._submit(lambda: run(groups.resolve(_alive(group))), result, _caller_waits())
 
     # -- everything else: gloo ----------------------------------------------------------
 
@@ -186,12 +197,17 @@ class CommlabBackend(_C10dBackend):
 
     # -- the backend's thread -----------------------------------------------------------
 
-    def _submit(self, job, result):
+    def _submit(self, job, result, caller_waits: bool = False):
         fut = torch.futures.Future()
         if threading.current_thread() is self._thread:
             # A callback of an earlier call's future (torch's hooks chain collectives
             # that way): it runs here, in the same place of the sequence on every rank,
             # and a caller that waits on it cannot wait on this thread.
+            _run(job, fut, result)
+            return _Work(fut, result)
+        if caller_waits and not self._pending.count:
+            # A blocking call with nothing queued runs on the caller's thread: the hop to
+            # the backend's thread and back cost ~120 us per call (2 ranks, 4 KiB).
             _run(job, fut, result)
             return _Work(fut, result)
         with self._lock:
@@ -215,6 +231,21 @@ class _Pending:
     def add(self, n: int) -> None:
         with self._lock:
             self.count += n
+
+
+_C10D = dist.distributed_c10d.__name__
+
+
+def _caller_waits() -> bool:
+    """Did torch.distributed's Python API call us with async_op=False (it waits on the
+    Work at once)? Read from its frame: c10d gives a backend no other sign. Anything
+    else (DDP's reducer, async calls, other callers) is treated as async."""
+    f = sys._getframe(1)
+    while f is not None and f.f_globals.get("__name__") == __name__:
+        f = f.f_back
+    if f is None or f.f_globals.get("__name__") != _C10D:
+        return False
+    return f.f_locals.get("async_op", True) is False
 
 
 def _alive(ref) -> dist.ProcessGroup:
@@ -276,9 +307,9 @@ for _name in ("allgather_coalesced", "all_gather_single_coalesced", "allreduce_c
 
 
 def _internal() -> bool:
-    """Is commlab itself issuing this collective (the backend's thread, or a lane thread
-    running an async commlab.all_reduce on this group)?"""
-    return getattr(_inside, "on", False) or threading.current_thread().name.startswith("commlab-lane-")
+    """Is commlab itself issuing this collective (from an algorithm running on the
+    backend's thread, a lane, or inline: `builtin` on a commlab group)?"""
+    return lanes.inside()
 
 
 def _served(t: torch.Tensor) -> bool:
@@ -315,14 +346,13 @@ def _serve(jobs: queue.SimpleQueue) -> None:
 def _run(job, fut: torch.futures.Future, result, pending: _Pending | None = None) -> None:
     # While commlab works, whatever it issues on the group goes to the inner gloo backend;
     # the future's callbacks are the caller's code again.
-    _inside.on = True
     error = None
     try:
-        job()
+        with lanes.running():
+            job()
     except BaseException as e:  # noqa: BLE001 - the caller's work raises it
         error = e
     finally:
-        _inside.on = False
         if pending is not None:
             pending.add(-1)  # before the caller can see the future complete
     if error is None:

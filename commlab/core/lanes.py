@@ -18,6 +18,28 @@ import torch
 from commlab.core import groups
 from commlab.core.errors import CommlabError
 
+_running = threading.local()
+
+
+def inside() -> bool:
+    """Is this thread running a commlab collective (inline, on a lane, or on the
+    torch.distributed backend's thread)? What such a call issues on its group is
+    commlab's own traffic (commlab/core/backend.py sends it to its inner gloo)."""
+    return getattr(_running, "on", False) or threading.current_thread().name.startswith("commlab-lane-")
+
+
+class running:
+    """Marks the calling thread as running commlab's collective, for the `with` block."""
+
+    __slots__ = ("_was",)
+
+    def __enter__(self):
+        self._was = getattr(_running, "on", False)
+        _running.on = True
+
+    def __exit__(self, *exc):
+        _running.on = self._was
+
 
 class Work:
     """The handle all_reduce(async_op=True) returns, shaped like torch's Work. For CUDA

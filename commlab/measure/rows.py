@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import commlab
 from commlab import algorithms
-from commlab.core.reduction import Op, finish_average_
+from commlab.core.reduction import TO_TORCH, Op, finish_average_
 from commlab.measure import launch
 from commlab.measure.timing import agree_min
 
@@ -46,6 +46,14 @@ def registry_rows(names: list[str], device) -> list[Row]:
             commlab.all_reduce(t, op=op, algorithm=n)
 
         rows.append(Row(n, call, _barrier_of(call, device)))
+    if "builtin" in names and device.type == "cpu" and dist.get_backend() == "commlab":
+        # On a commlab group `builtin` is the backend's inner gloo (what commlab's own
+        # algorithms issue); unchanged training code gets dist.all_reduce on the backend.
+        def backend_call(t, op):
+            dist.all_reduce(t, op=TO_TORCH[op])
+
+        rows.append(Row("builtin@commlab", backend_call, _barrier_of(backend_call, device),
+                        about="torch.distributed.all_reduce on the commlab backend (COMMLAB_ALGORITHM, default auto)"))
     return rows
 
 
