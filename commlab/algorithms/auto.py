@@ -1,21 +1,24 @@
-"""The default: picks an algorithm for the group once, from facts every rank shares —
-shared memory when every rank is on one host (CPU tensors), else the backend's own
-all-reduce. COMMLAB_ALGORITHM=<name> forces one algorithm instead."""
+"""The default: picks an algorithm per group from facts every rank shares. In order:
+COMMLAB_ALGORITHM=<name> forces one; a tuning file (COMMLAB_TUNING, written by the
+bench's --tune) picks per message size for its layout; else shared memory when every
+rank is on one host (CPU tensors), and the backend's own all-reduce otherwise."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 
-from commlab.core.errors import UnsupportedError
+from commlab.core.errors import CollectiveMismatchError, UnsupportedError
 from commlab.transports.p2p import P2P
 from commlab.transports.setup import gather, host_id
 
+from . import tuning
 from .base import Algorithm, Context
 
 
 class Auto(Algorithm):
     name = "auto"
-    summary = "shm when every rank is on one host (CPU), else builtin; COMMLAB_ALGORITHM forces one"
+    summary = "a tuning file's measured pick per size, else shm on one host (CPU), else builtin"
     formula = "that of the algorithm it picks (modelled as shm's one-shot/two-shot)"
     wins_when = "you do not want to choose: the measured winner for the layout"
     order = 5
@@ -37,34 +40,37 @@ class Auto(Algorithm):
             return alg.unsupported(tensor, op, info)
         return None
 
-    def choose(self, device_type: str, ctx: Context) -> Algorithm:
-        """Collective on first use per group and device type (every rank gathers the
-        same host ids, so every rank picks the same algorithm)."""
+    def decide(self, device_type: str, ctx: Context) -> "_Choice":
+        """Collective on first use per plan and device type: every rank gathers the same
+        host ids and tuning-file digests, so every rank decides alike (or fails alike)."""
         registry = self._registry()
         forced = _forced()
         if forced:
-            return registry.get(forced)
-        if device_type == "cpu":
-            hosts = gather(ctx.info, host_id(), "auto", "choosing an algorithm")
-            if len(set(hosts)) == 1:
-                return registry.get("shm")
-        return registry.get("builtin")
+            return _Choice(self.name, ctx, fixed=registry.get(forced).name)
+        file = tuning.path()
+        facts = gather(ctx.info, {"host": host_id(), "tuning": _digest(file)}, "auto", "choosing an algorithm")
+        if len({f["tuning"] for f in facts}) > 1:
+            raise CollectiveMismatchError(
+                f"commlab[auto]: ranks have different tuning files ({tuning.ENV}): " +
+                ", ".join(f"rank {ctx.info.global_rank(r)}: {f['tuning']}" for r, f in enumerate(facts)))
+        hosts = len({f["host"] for f in facts})
+        if file:
+            table = tuning.load(file, device_type, ctx.info.size, hosts, registry.names())
+            if table is not None:
+                return _Choice(self.name, ctx, table=table)
+        # The built-in rule. Across hosts it stays the backend's own all-reduce until a
+        # two-level cost model can choose (hierarchical all-reduce, issue 17).
+        return _Choice(self.name, ctx, fixed="shm" if device_type == "cpu" and hosts == 1 else "builtin")
 
     def run(self, buf, op, ctx):
-        picked = ctx.transport  # {device type: (algorithm, its context)}, per plan
-        if picked is None:
-            picked = ctx.transport = {}
+        choices = ctx.transport  # {device type: _Choice}, per plan
+        if choices is None:
+            choices = ctx.transport = {}
         key = buf.device.type
-        if key not in picked:
-            chosen = self.choose(key, ctx)
-            # Errors name what was asked for and what ran: commlab[auto->shm].
-            alg = copy.copy(chosen)
-            alg.name = f"{self.name}->{chosen.name}"
-            reason = alg.unsupported(buf, op, ctx.info)
-            if reason:
-                raise UnsupportedError(f"commlab[{alg.name}]: {reason}")
-            picked[key] = (alg, Context(info=ctx.info, p2p=P2P(ctx.info, alg.name)))
-        alg, inner = picked[key]
+        choice = choices.get(key)
+        if choice is None:
+            choice = choices[key] = self.decide(key, ctx)
+        alg, inner = choice.algorithm(buf.numel() * buf.element_size(), buf, op)
         alg.run(buf, op, inner)
 
     @staticmethod
@@ -72,6 +78,42 @@ class Auto(Algorithm):
         from commlab import algorithms  # the package imports this module while it registers
 
         return algorithms
+
+
+class _Choice:
+    """What auto runs for one plan and device type: one algorithm, or a tuning table's
+    pick per message size; each picked algorithm gets its own context once."""
+
+    def __init__(self, label: str, ctx: Context, fixed: str | None = None, table: tuning.Table | None = None):
+        self.label, self.ctx, self.fixed, self.table = label, ctx, fixed, table
+        self.ready: dict[str, tuple[Algorithm, Context]] = {}
+
+    def algorithm(self, nbytes: int, buf, op) -> tuple[Algorithm, Context]:
+        name = self.fixed or self.table.pick(nbytes)
+        got = self.ready.get(name)
+        if got is None:
+            from commlab import algorithms
+
+            # Errors name what was asked for and what ran: commlab[auto->shm].
+            alg = copy.copy(algorithms.get(name))
+            alg.name = f"{self.label}->{name}"
+            reason = alg.unsupported(buf, op, self.ctx.info)
+            if reason:
+                where = f" (picked by {self.table.source} for {nbytes} bytes)" if self.table else ""
+                raise UnsupportedError(f"commlab[{alg.name}]: {reason}{where}")
+            got = self.ready[name] = (alg, Context(info=self.ctx.info, p2p=P2P(self.ctx.info, alg.name)))
+        return got
+
+
+def _digest(file: str) -> str:
+    """What ranks compare: the tuning file's content (not its path)."""
+    if not file:
+        return "none"
+    try:
+        with open(file, "rb") as f:
+            return "sha256:" + hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
 
 
 def _forced() -> str:

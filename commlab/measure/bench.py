@@ -15,16 +15,19 @@ import csv
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 from commlab import algorithms
+from commlab.algorithms import tuning
 from commlab.core.reduction import Op, finish_average_, parse_op
 from commlab.measure import costmodel, envinfo, launch
 from commlab.measure.rows import anchor_rows, registry_rows
 from commlab.measure.timing import Interleaved
 from commlab.measure.units import format_bytes, parse_bytes
+from commlab.transports.setup import host_id
 
 DTYPES = {
     "float": torch.float32, "float32": torch.float32, "double": torch.float64, "float64": torch.float64,
@@ -122,7 +125,24 @@ def run_bench(args) -> dict | None:
     env["anchors_missing"] = anchor_notes
     env["timing"] = "isolated calls after a tight barrier of each row's transport" if args.blocking else \
         "back-to-back calls (nccl-tests' loop time)"
-    return {"env": env, "results": results} if rank == 0 else None
+    doc = {"env": env, "results": results}
+    if getattr(args, "tune", None):
+        doc["tuning"] = tuning_entry(args, doc, device, names)
+    return doc if rank == 0 else None
+
+
+def tuning_entry(args, doc: dict, device, names: list[str]) -> dict:
+    """This run's winners per size range for `auto` (collective: counts the hosts as
+    auto does)."""
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, host_id())
+    env = doc["env"]
+    return {"device": device.type, "world_size": dist.get_world_size(), "hosts": len(set(hosts)),
+            "ranges": tuning.winners(doc["results"], [n for n in names if n != "auto"]),
+            "measured": {"command": "python -m commlab.allreduce_bench " + " ".join(getattr(args, "argv", [])),
+                         "timing": env["timing"], "dtype": str(DTYPES[args.datatype]).replace("torch.", ""),
+                         "op": args.op, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                         "commlab": env.get("commlab"), "torch": env.get("torch"), "cpu": env.get("cpu")}}
 
 
 def size_list(args) -> list[int]:
@@ -181,6 +201,10 @@ def report(doc: dict) -> str:
     lines.append("# fastest per size: " + ", ".join(
         f"{format_bytes(n)}={min((r for r in results if r['bytes'] == n), key=lambda r: r['time_us'])['algorithm']}"
         for n in dict.fromkeys(r["bytes"] for r in results)))
+    if doc.get("tuning"):
+        t = doc["tuning"]
+        lines.append(f"# tuning for auto ({t['device']}, {t['world_size']} ranks, {t['hosts']} host(s)): "
+                     + tuning.describe(t["ranges"]))
     lines.append("# cost model fit (time = steps*alpha + bytes_sent*beta + bytes_reduced*gamma):")
     for a, f in fits.items():
         lines.append(f"#   {a:>11}: alpha {f.alpha_us:8.2f} us  1/beta {f.bandwidth_gbps:8.3f} GB/s  "
@@ -261,6 +285,9 @@ def small_floor_lines(results: list[dict], env: dict) -> list[str]:
 
 
 def write_outputs(doc: dict, args) -> None:
+    if doc.get("tuning"):
+        t = doc["tuning"]
+        tuning.write(args.tune, t["device"], t["world_size"], t["hosts"], t["ranges"], t["measured"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
@@ -306,6 +333,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=120.0, help="process-group timeout in seconds")
     ap.add_argument("--json"), ap.add_argument("--csv"), ap.add_argument("--plot")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--tune", metavar="FILE",
+                    help="write the fastest correct algorithm per size range for this layout into FILE (kept "
+                         "entries of other layouts); COMMLAB_TUNING=FILE makes `auto` use it")
     return ap
 
 
@@ -331,6 +361,7 @@ def _spawned_rank(rank: int, world: int, args) -> None:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for what --tune records
     if args.world_size and launch.detect().kind == "single":
         outcomes = launch.run_once(args.world_size, _spawned_rank, args, threads=_threads())
         failed = launch.report_failures(outcomes)
