@@ -534,3 +534,58 @@ def test_blocking_calls_run_on_the_callers_thread(commlab_ranks):
         main = got["main"]
         assert got["right"] and got["seen"] == [("all_reduce", main), ("all_reduce", "commlab-backend"),
                                                 ("broadcast", main), ("broadcast", "commlab-backend")], got
+
+
+def backend_peer_dies(rank, p, collective):
+    """Through dist.* on a commlab group: a peer that dies is named, fast, by every
+    survivor (the group timeout is 60 s; shared memory sees the death in ~0.1 s)."""
+    import time
+    x = torch.ones(2000)
+    dist.all_reduce(x)
+    dist.barrier()
+    if rank == 1:
+        os._exit(9)
+    t0 = time.monotonic()
+    try:
+        for _ in range(3):
+            if collective == "all_reduce":
+                dist.all_reduce(x, async_op=True).wait()
+            else:
+                dist.all_gather_into_tensor(torch.empty(p * 2000), x)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return {"type": type(e).__name__, "msg": str(e)[:400], "seconds": time.monotonic() - t0}
+    return {"type": None}
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather"])
+def test_a_dead_peer_is_named_fast_through_the_backend(collective):
+    pool = RankPool(3, backend="commlab", pg_timeout_s=60)
+    res = pool.outcomes(backend_peer_dies, collective, timeout=90)
+    assert res[1].status == "missing"
+    for r in (0, 2):
+        status, payload = status_payload(res[r])
+        assert status == "ok", payload
+        assert payload["type"] == "PeerError", payload
+        assert "rank 1" in payload["msg"] and "died" in payload["msg"], payload
+        assert payload["seconds"] < 10, payload
+
+
+def detail_mismatch(rank, p):
+    t = torch.ones(10 if rank == 0 else 20)
+    try:
+        dist.all_reduce(t)
+        return None
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return f"{type(e).__name__}: {e}"
+
+
+def test_torch_distributed_debug_detail_checks_calls_on_a_commlab_group():
+    pool = RankPool(2, backend="commlab", env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    try:
+        res = pool.run(detail_mismatch, timeout=60)
+    finally:
+        pool.close()
+    # commlab's own check (torch wraps only its built-in backends): before any traffic,
+    # the same text on both ranks, naming both calls.
+    assert res[0] is not None and res[0] == res[1], res
+    assert res[0].startswith("CollectiveMismatchError") and "numel=10" in res[0] and "numel=20" in res[0], res
