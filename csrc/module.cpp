@@ -101,6 +101,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("broadcast", &commlab::ShmComm::broadcast, pybind11::arg("tensor"), pybind11::arg("root"),
            "in place, from group rank `root`")
       .def("barrier", &commlab::ShmComm::barrier)
+      .def("abort", &commlab::ShmComm::abort, pybind11::arg("why"),
+           "give up on this communicator: peers waiting on this rank fail at once with `why`")
       .def_static("dtype_code", [](const torch::Tensor& t) { return static_cast<int64_t>(t.scalar_type()); },
                   "the scalar-type code try_allreduce compares against")
       .def("segment_name", &commlab::ShmComm::segment_name)

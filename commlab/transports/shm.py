@@ -170,6 +170,23 @@ def barrier(info: GroupInfo, algorithm: str) -> None:
     _call(info, algorithm, lambda comm: comm.barrier())
 
 
+def abort(info: GroupInfo, algorithm: str, why: str) -> None:
+    """Give the group's shared memory up for a reason found elsewhere (another stage of
+    a hierarchical call): peers waiting on this rank fail at once, naming it."""
+    entry = _entries.get(info.group)
+    with entry.lock:
+        comm = entry.comm
+        if comm is None:
+            return
+        try:
+            comm.abort(why)
+        except Exception:  # noqa: BLE001 - already unusable: its peers were told then
+            pass
+        entry.comm = None
+        entry.fail(CommlabError(f"commlab[{algorithm}]: unusable after an earlier failure: {why}"))
+        comm.close()
+
+
 def _call(info: GroupInfo, algorithm: str, run, entry: Entry | None = None) -> None:
     if entry is None:
         entry = _entries.get(info.group)

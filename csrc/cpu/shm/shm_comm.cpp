@@ -775,6 +775,12 @@ void ShmComm::broadcast(const torch::Tensor& t, int64_t root) {
   });
 }
 
+void ShmComm::abort(const std::string& why) {
+  check_usable();
+  mark_aborted(kError, global_ranks_[rank_], why);
+  broken_ = why;
+}
+
 void ShmComm::barrier() {
   check_usable();
   if (world_ == 1) return;

@@ -55,6 +55,9 @@ class ShmComm {
   void reduce_scatter(const torch::Tensor& out, const torch::Tensor& in, int64_t op);
   void broadcast(const torch::Tensor& t, int64_t root);
   void barrier();
+  // Gives up on this communicator for a reason found outside it (another stage of a
+  // hierarchical call failed): peers waiting on this rank fail at once, with `why`.
+  void abort(const std::string& why);
   void close();
 
   // Removes every rank's segment name of a group (after a failed setup: survivors

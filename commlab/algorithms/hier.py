@@ -1,0 +1,171 @@
+"""Hierarchical all-reduce (Horovod's hierarchical allreduce, NCCL's two levels):
+reduce-scatter inside each host through shared memory, all-reduce of each shard across
+hosts among the ranks with the same local index (Rabenseifner, or ring for large shards
+on a host count that is not a power of two), all-gather inside each host.
+
+Any layout: with k = the fewest ranks on any host, the tensor is cut into k shards; a
+host with more ranks reduces the whole tensor in shared memory instead of scattering it
+and its ranks past index k only take part in the final all-gather. One host: it is
+`shm`. One rank per host: it is the inter-host algorithm on the whole tensor.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from commlab.core import groups
+from commlab.transports import shm
+from commlab.transports.p2p import P2P
+from commlab.transports.setup import gather, host_id
+
+from .base import Algorithm, Context, Cost, Traffic
+
+RING_MIN_SHARD = 1 << 20  # below, Rabenseifner's log2 steps win; at and above, ring's neighbour pattern
+
+
+@dataclass
+class Layout:
+    """Every rank's view of the group's hosts, agreed by one gather."""
+
+    hosts: int
+    per_host: list[int]  # ranks on each host, hosts in order of their lowest rank
+    local: int  # this rank's index on its host
+    local_size: int
+    shards: int  # k: the fewest ranks on any host
+    intra: groups.GroupInfo | None  # this host's ranks (None when alone on it)
+    inter: Context | None  # the ranks with this local index on every host (None past k, or one host)
+
+
+@dataclass(frozen=True)
+class Levels:
+    """One all-reduce of n bytes, per level, for the busiest rank."""
+
+    intra: Traffic  # bytes through memory on the host (shared-memory stages)
+    inter: Cost  # steps and bytes each rank sends on the host link, bytes it reduces
+    link_bytes: float  # bytes that cross one host's link in each direction
+
+
+class Hierarchical(Algorithm):
+    name = "hier"
+    summary = "two levels: shm reduce-scatter on each host, all-reduce of each shard across hosts, shm all-gather"
+    formula = ("intra: shm reduce-scatter + all-gather (memory traffic ~3n);  inter: rhd/ring of n/k among H "
+               "hosts: 2·log2(H)α + 2(H-1)/H·(n/k)β per rank, k ranks per host sharing the link")
+    wins_when = "several ranks per host and a slow host link: each host sends its data over the link once"
+    devices = ("cpu",)
+    order = 65
+
+    def cost(self, p, nbytes):
+        # On one host it is shm; across hosts see levels().
+        return Cost(2, 2 * nbytes, (p - 1) / p * nbytes)
+
+    def levels(self, hosts: int, per_host: int, nbytes: float) -> Levels:
+        k, h = per_host, hosts
+        shard = nbytes / k
+        if h == 1:
+            inter = Cost(0, 0, 0)
+        elif h & (h - 1) == 0 or shard < RING_MIN_SHARD:
+            q = 1 << (h.bit_length() - 1)
+            extra = h - q
+            inter = Cost(2 * math.log2(q) + 2 * (extra > 0), 2 * (q - 1) / q * shard + (extra > 0) * shard,
+                         (q - 1) / q * shard + (extra > 0) * shard)
+        else:
+            inter = Cost(2 * (h - 1), 2 * (h - 1) / h * shard, (h - 1) / h * shard)
+        intra = Traffic(tensor=2 * nbytes, staging=3 * nbytes) if k > 1 else Traffic(0, 0)
+        return Levels(intra=intra, inter=inter, link_bytes=k * inter.bytes_sent)
+
+    def unsupported(self, tensor, op, info):
+        return shm.unsupported(info)
+
+    def run(self, buf, op, ctx):
+        layout = ctx.transport
+        if layout is None:  # collective, on the first call of each plan (every rank's first alike)
+            layout = ctx.transport = _layouts.get(ctx.info.group)
+        if layout.hosts == 1:
+            shm.all_reduce(buf, op, shm.Mode.AUTO, ctx.info, self.name)
+            return
+        k, n = layout.shards, buf.numel()
+        s = -(-n // k)  # shard elements; the last shard is padded
+        if k * s == n:
+            padded = buf
+        else:
+            padded = torch.empty(k * s, dtype=buf.dtype)
+            padded[:n].copy_(buf)
+            padded[n:].zero_()  # reduced and dropped: any value would do, zeros stay finite
+        intra = layout.intra
+        mine = padded[layout.local * s:(layout.local + 1) * s] if layout.local < k else None
+        # 1. Inside the host: each of the first k ranks ends with its shard summed over the host.
+        if intra is not None:
+            if layout.local_size == k:
+                shm.reduce_scatter(mine, padded, int(op), intra, self.name)
+            else:
+                shm.all_reduce(padded, op, shm.Mode.AUTO, intra, self.name)
+        # 2. Across hosts: every shard among the ranks that hold it.
+        if layout.inter is not None:
+            inter = layout.inter
+            alg = _inter_algorithm(layout.hosts, s * buf.element_size())
+            try:
+                alg.run(mine, op, inter)
+            except BaseException as e:
+                if intra is not None:  # this host's ranks wait on us in step 3: they fail now, not at the timeout
+                    shm.abort(intra, self.name, f"commlab[{self.name}]: rank {ctx.info.global_rank(ctx.rank)}'s "
+                                                f"inter-host stage failed: {e}"[:900])
+                raise
+        # 3. Inside the host: everyone gets every shard.
+        if intra is None:
+            if padded is not buf:
+                buf.copy_(padded[:n])
+            return
+        if layout.local_size == k:
+            shm.all_gather(padded, mine, intra, self.name)  # in place: `mine` is this rank's slice of it
+            if padded is not buf:
+                buf.copy_(padded[:n])
+            return
+        out = torch.empty(layout.local_size * s, dtype=buf.dtype)
+        shm.all_gather(out, mine if mine is not None else out[:s], intra, self.name)  # past k: a placeholder
+        buf.copy_(out[:n])
+
+
+def _inter_algorithm(hosts: int, shard_bytes: int) -> Algorithm:
+    from commlab import algorithms
+
+    if hosts & (hosts - 1) == 0 or shard_bytes < RING_MIN_SHARD:
+        return algorithms.get("rhd")
+    return algorithms.get("ring")
+
+
+def _make_layout(group: dist.ProcessGroup) -> Layout:
+    info = groups.resolve(group)
+    hosts = gather(info, host_id(), "hier", "grouping ranks by host")
+    order: dict[str, list[int]] = {}
+    for r, h in enumerate(hosts):
+        order.setdefault(h, []).append(r)
+    members = list(order.values())  # hosts in order of their lowest rank, ranks ascending
+    mine = next(m for m in members if info.rank in m)
+    k = min(len(m) for m in members)
+    local = mine.index(info.rank)
+    backend = dist.get_backend(group)
+    intra = inter = None
+    if len(members) > 1:
+        # torch salts a sub-group's name with its count of groups made so far, which a
+        # rank advances only for groups it is a member of: every rank makes exactly two
+        # here, in one order (its host's ranks, then the ranks of its local index on every
+        # host, single-rank groups included), so every rank's count moves alike.
+        def make(ranks: list[int]) -> groups.GroupInfo | None:
+            g = dist.new_group([info.global_rank(r) for r in ranks], timeout=info.timeout, backend=backend,
+                               use_local_synchronization=True)
+            return groups.resolve(g) if len(ranks) > 1 else None
+
+        intra = make(mine)
+        peers = make([m[local] for m in members if local < len(m)])
+        if local < k:
+            inter = Context(info=peers, p2p=P2P(peers, "hier"))
+    return Layout(hosts=len(members), per_host=[len(m) for m in members], local=local, local_size=len(mine),
+                  shards=k, intra=intra, inter=inter)
+
+
+_layouts = groups.PerGroup(_make_layout)
+
+ALGORITHM = Hierarchical()
