@@ -122,3 +122,22 @@ def test_cutting_the_link_gives_errors_not_hangs(two_hosts, tmp_path):
         res = json.loads((tmp_path / f"loop{r}.json").read_text())
         assert "error" in res, res
         assert res["error"].startswith("PeerError: commlab[ring]") and "rank" in res["error"], res
+
+
+def test_emulated_hosts_script_runs_the_bench_over_shaped_links():
+    """scripts/emulated_hosts.py (2 hosts x 2 ranks, tbf-shaped links): runs, every row
+    right, namespaces removed."""
+    if os.environ.get("COMMLAB_TWOHOST") == "0":
+        pytest.skip("COMMLAB_TWOHOST=0")
+    if os.geteuid() != 0 or _ip("netns", "list", check=False).returncode != 0:
+        pytest.skip("network namespaces need root")
+    before = _ip("netns", "list").stdout
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "emulated_hosts.py"), "--hosts", "2",
+                           "--ranks", "2", "--rate", "10gbit", "--port", "29613", "--", "--algorithms", "builtin,hier",
+                           "-b", "256K", "-e", "256K", "--anchors", "none", "-n", "2", "-w", "1", "--rounds", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if " float32 " in line]
+    assert {r[4] for r in rows} == {"builtin", "hier"} and all(r[9] == "0" for r in rows), proc.stdout[-3000:]
+    assert "# emulated: 2 hosts x 2 ranks, each host link 10gbit" in proc.stdout
+    assert _ip("netns", "list").stdout == before

@@ -11,6 +11,7 @@ and its ranks past index k only take part in the final all-gather. One host: it 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,11 @@ from commlab.transports.setup import gather, host_id
 from .base import Algorithm, Context, Cost, Traffic
 
 RING_MIN_SHARD = 1 << 20  # below, Rabenseifner's log2 steps win; at and above, ring's neighbour pattern
+# The inter-host stage: the backend's own all-reduce on the shard's group by default. On
+# an emulated 1 Gbit/s link commlab's point-to-point steps moved data one direction at a
+# time (rhd between 2 hosts: 2n/link-rate, gloo's ring n/link-rate), docs/measurements.md.
+# COMMLAB_HIER_INTER=rhd|ring|size (rhd or ring by shard size and host count) picks another.
+INTER = "builtin"
 
 
 @dataclass
@@ -131,9 +137,10 @@ class Hierarchical(Algorithm):
 def _inter_algorithm(hosts: int, shard_bytes: int) -> Algorithm:
     from commlab import algorithms
 
-    if hosts & (hosts - 1) == 0 or shard_bytes < RING_MIN_SHARD:
-        return algorithms.get("rhd")
-    return algorithms.get("ring")
+    name = os.environ.get("COMMLAB_HIER_INTER", "") or INTER
+    if name == "size":
+        name = "rhd" if hosts & (hosts - 1) == 0 or shard_bytes < RING_MIN_SHARD else "ring"
+    return algorithms.get(name)
 
 
 def _make_layout(group: dist.ProcessGroup) -> Layout:
