@@ -113,3 +113,22 @@ def test_levels_count_each_hosts_link_bytes():
     # the 1.5x bound of the issue, growing with ranks per host (2 - 2/(H*k) ... ).
     ring = commlab.get_algorithm("ring").cost(4, n)
     assert ring.bytes_sent * 1.0 == pytest.approx(1.5 * n)
+
+
+def auto_picks(rank, p, hosts):
+    os.environ["COMMLAB_HOST_ID"] = f"h{hosts[rank]}"
+    try:
+        group = dist.new_group()
+        x = torch.full((100,), float(rank))
+        commlab.all_reduce(x, group=group, algorithm="auto")
+        used_hier = id(group) in hier._layouts._items
+        dist.destroy_process_group(group)
+        return used_hier, torch.equal(x, torch.full((100,), float(sum(range(p)))))
+    finally:
+        del os.environ["COMMLAB_HOST_ID"]
+
+
+@pytest.mark.parametrize("name,want", [("2x2", True), ("3+1", True), ("1x3", False)])
+def test_auto_across_hosts_picks_hier_where_a_host_has_several_ranks(ranks, name, want):
+    p, hosts = LAYOUTS[name]
+    assert ranks.run(p, auto_picks, hosts) == [(want, True)] * p
