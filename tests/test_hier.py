@@ -98,7 +98,7 @@ def test_a_failed_inter_host_stage_reaches_the_hosts_other_ranks_at_once():
     assert "link down (injected)" in got[0]["error"], got
     assert "rank 0" in got[1]["error"] and "inter-host stage failed" in got[1]["error"], got
     assert got[1]["seconds"] < 5, got  # not the group's 10 s deadline
-    assert got[2]["error"].startswith("PeerError: commlab[") and "rank" in got[2]["error"], got
+    assert got[2]["error"].startswith("PeerError: commlab[hier->builtin]") and "rank 2" in got[2]["error"], got
     assert got[2]["seconds"] < 10 + 10 and got[3]["seconds"] < got[2]["seconds"] + 5, got
 
 

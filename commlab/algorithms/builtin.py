@@ -23,7 +23,7 @@ class Builtin(Algorithm):
             work.wait(ctx.info.timeout)
         except RuntimeError as e:
             raise PeerError(
-                f"commlab[builtin] rank {ctx.info.global_rank(ctx.rank)}: backend all_reduce failed: {e}",
+                f"commlab[{self.name}] rank {ctx.info.global_rank(ctx.rank)}: backend all_reduce failed: {e}",
                 algorithm=self.name,
                 peer=None,
             ) from e

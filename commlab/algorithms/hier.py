@@ -10,6 +10,7 @@ and its ranks past index k only take part in the final all-gather. One host: it 
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 from dataclasses import dataclass
@@ -140,7 +141,14 @@ def _inter_algorithm(hosts: int, shard_bytes: int) -> Algorithm:
     name = os.environ.get("COMMLAB_HIER_INTER", "") or INTER
     if name == "size":
         name = "rhd" if hosts & (hosts - 1) == 0 or shard_bytes < RING_MIN_SHARD else "ring"
-    return algorithms.get(name)
+    alg = _named.get(name)
+    if alg is None:  # its errors say what was asked for and what ran: commlab[hier->builtin]
+        alg = _named[name] = copy.copy(algorithms.get(name))
+        alg.name = f"hier->{name}"
+    return alg
+
+
+_named: dict[str, Algorithm] = {}
 
 
 def _make_layout(group: dist.ProcessGroup) -> Layout:
