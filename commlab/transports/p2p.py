@@ -61,23 +61,25 @@ class P2P:
         self._failure = _failures.get(info.group)
 
     def post(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> Step:
-        """Post sends then receives (peers are group ranks). Empty tensors are skipped on
-        both sides, which both sides know from the sizes alone."""
+        """Post receives, then sends (peers are group ranks): posted the other way round,
+        gloo moved an exchange's two directions one after the other (two emulated hosts
+        at 1 Gbit/s, rhd of 16 MiB: 266-274 ms, now 147; gloo's ring 141). Empty tensors
+        are skipped on both sides, which both sides know from the sizes alone."""
         if self._failure["error"] is not None:
             raise CommlabError(f"commlab[{self.algorithm}]: this group's point-to-point traffic is unusable after a "
                                f"failed transfer (a retry could pair with its stale messages; create a new group): "
                                f"{self._failure['error']}")
         ops, meta, recv_pos = [], [], []
         g = self.info.group
-        for t, peer in sends:
-            if t.numel():
-                ops.append(dist.P2POp(dist.isend, t, group=g, group_peer=peer))
-                meta.append(("send to", peer))
         for t, peer in recvs:
             recv_pos.append(len(ops) if t.numel() else None)
             if t.numel():
                 ops.append(dist.P2POp(dist.irecv, t, group=g, group_peer=peer))
                 meta.append(("receive from", peer))
+        for t, peer in sends:
+            if t.numel():
+                ops.append(dist.P2POp(dist.isend, t, group=g, group_peer=peer))
+                meta.append(("send to", peer))
         if not ops:
             return Step(self, [], [], recv_pos)
         try:
