@@ -26,6 +26,15 @@ def commlab_ranks():
         pool.close()
 
 
+def _on_fresh_ranks(world, fn, *args, env=None, timeout=60):
+    """fn on ranks of their own (a commlab world group), closed afterwards."""
+    pool = RankPool(world, backend="commlab", env=env)
+    try:
+        return pool.run(fn, *args, timeout=timeout)
+    finally:
+        pool.close()
+
+
 def _leftovers():
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith("commlab-"))
 
@@ -155,11 +164,7 @@ def sub_groups_and_reinit(rank, p):
 
 
 def test_sub_groups_destroy_and_reinit_leave_nothing_behind(tmp_path):
-    pool = RankPool(3, backend="commlab", env={"COMMLAB_TEST_STORE": str(tmp_path)})
-    try:
-        res = pool.run(sub_groups_and_reinit, timeout=180)
-    finally:
-        pool.close()
+    res = _on_fresh_ranks(3, sub_groups_and_reinit, env={"COMMLAB_TEST_STORE": str(tmp_path)}, timeout=180)
     for rank, got in enumerate(res):
         assert got.get("pair", rank >= 2) and got["reinit"], (rank, got)
         assert got["leftovers"] == [], got
@@ -443,11 +448,7 @@ def mismatched_collectives(rank, p, case):
 
 @pytest.mark.parametrize("case", ["kind", "root", "size"])
 def test_mismatched_collectives_fail_alike_on_every_rank(case):
-    pool = RankPool(2, backend="commlab")
-    try:
-        res = pool.run(mismatched_collectives, case, timeout=60)
-    finally:
-        pool.close()
+    res = _on_fresh_ranks(2, mismatched_collectives, case)
     assert res[0] is not None and res[0] == res[1], res
     assert res[0].startswith("CollectiveMismatchError") and "mismatch" in res[0], res
     want = {"kind": ("broadcast", "all_gather"), "root": ("from rank 0", "from rank 1"),
@@ -467,11 +468,7 @@ def collectives_on_gloo(rank, p):
 
 
 def test_commlab_collectives_gloo_sends_them_to_gloo():
-    pool = RankPool(2, backend="commlab", env={"COMMLAB_COLLECTIVES": "gloo"})
-    try:
-        res = pool.run(collectives_on_gloo, timeout=60)
-    finally:
-        pool.close()
+    res = _on_fresh_ranks(2, collectives_on_gloo, env={"COMMLAB_COLLECTIVES": "gloo"})
     assert res == [{"right": True, "shm calls": 0}] * 2, res
 
 
@@ -580,11 +577,7 @@ def detail_mismatch(rank, p):
 
 
 def test_torch_distributed_debug_detail_checks_calls_on_a_commlab_group():
-    pool = RankPool(2, backend="commlab", env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
-    try:
-        res = pool.run(detail_mismatch, timeout=60)
-    finally:
-        pool.close()
+    res = _on_fresh_ranks(2, detail_mismatch, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
     # commlab's own check (torch wraps only its built-in backends): before any traffic,
     # the same text on both ranks, naming both calls.
     assert res[0] is not None and res[0] == res[1], res

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import commlab
 from commlab.algorithms import tuning
 from commlab.core.errors import UnsupportedError
+from commlab.measure.bench import describe_tuning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,7 +32,7 @@ def test_winners_merge_neighbours_and_put_boundaries_at_the_geometric_mean():
                       {"max_bytes": None, "algorithm": "ring"}]
     table = tuning.Table(ranges, "test")
     assert [table.pick(n) for n in (1, 65536, 262144, 262145, 1 << 30)] == ["shm", "shm", "shm", "ring", "ring"]
-    assert tuning.describe(ranges) == "up to 256K shm, above 256K ring"
+    assert describe_tuning(ranges) == "up to 256K shm, above 256K ring"
 
 
 def test_a_malformed_or_foreign_file_is_a_clear_error_and_other_layouts_are_ignored(tmp_path):

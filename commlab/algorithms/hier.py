@@ -11,7 +11,6 @@ and its ranks past index k only take part in the final all-gather. One host: it 
 from __future__ import annotations
 
 import copy
-import math
 import os
 from dataclasses import dataclass
 
@@ -58,8 +57,9 @@ class Levels:
 class Hierarchical(Algorithm):
     name = "hier"
     summary = "two levels: shm reduce-scatter on each host, all-reduce of each shard across hosts, shm all-gather"
-    formula = ("intra: shm reduce-scatter + all-gather (memory traffic ~3n);  inter: rhd/ring of n/k among H "
-               "hosts: 2·log2(H)α + 2(H-1)/H·(n/k)β per rank, k ranks per host sharing the link")
+    formula = ("intra: shm reduce-scatter + all-gather (memory traffic ~3n);  inter: the inter-host all-reduce "
+               "(COMMLAB_HIER_INTER, default the backend's, a ring: 2(H-1)α + 2(H-1)/H·(n/k)β) of n/k among H hosts "
+               "per rank, k ranks per host sharing the link")
     wins_when = "several ranks per host and a slow host link: each host sends its data over the link once"
     devices = ("cpu",)
     order = 65
@@ -71,15 +71,7 @@ class Hierarchical(Algorithm):
     def levels(self, hosts: int, per_host: int, nbytes: float) -> Levels:
         k, h = per_host, hosts
         shard = nbytes / k
-        if h == 1:
-            inter = Cost(0, 0, 0)
-        elif h & (h - 1) == 0 or shard < RING_MIN_SHARD:
-            q = 1 << (h.bit_length() - 1)
-            extra = h - q
-            inter = Cost(2 * math.log2(q) + 2 * (extra > 0), 2 * (q - 1) / q * shard + (extra > 0) * shard,
-                         (q - 1) / q * shard + (extra > 0) * shard)
-        else:
-            inter = Cost(2 * (h - 1), 2 * (h - 1) / h * shard, (h - 1) / h * shard)
+        inter = _inter_algorithm(h, int(shard)).cost(h, shard) if h > 1 else Cost(0, 0, 0)
         intra = Traffic(tensor=2 * nbytes, staging=3 * nbytes) if k > 1 else Traffic(0, 0)
         return Levels(intra=intra, inter=inter, link_bytes=k * inter.bytes_sent)
 
@@ -121,18 +113,14 @@ class Hierarchical(Algorithm):
                                                 f"inter-host stage failed: {e}"[:900])
                 raise
         # 3. Inside the host: everyone gets every shard.
-        if intra is None:
-            if padded is not buf:
-                buf.copy_(padded[:n])
-            return
-        if layout.local_size == k:
+        if intra is not None and layout.local_size == k:
             shm.all_gather(padded, mine, intra, self.name)  # in place: `mine` is this rank's slice of it
-            if padded is not buf:
-                buf.copy_(padded[:n])
-            return
-        out = torch.empty(layout.local_size * s, dtype=buf.dtype)
-        shm.all_gather(out, mine if mine is not None else out[:s], intra, self.name)  # past k: a placeholder
-        buf.copy_(out[:n])
+        elif intra is not None:
+            out = torch.empty(layout.local_size * s, dtype=buf.dtype)
+            shm.all_gather(out, mine if mine is not None else out[:s], intra, self.name)  # past k: a placeholder
+            padded = out
+        if padded is not buf:
+            buf.copy_(padded[:n])
 
 
 def _inter_algorithm(hosts: int, shard_bytes: int) -> Algorithm:

@@ -94,21 +94,6 @@ def winners(results: list[dict], candidates: list[str]) -> list[dict]:
     return [{"max_bytes": r["max_bytes"], "algorithm": r["algorithm"]} for r in ranges]
 
 
-def describe(ranges: list[dict]) -> str:
-    """"up to 22.6K shm, above it builtin" (sizes in bytes, 1K = 1024)."""
-    if len(ranges) == 1:
-        return f"{ranges[0]['algorithm']} at every size"
-    parts = [f"up to {_fmt(r['max_bytes'])} {r['algorithm']}" for r in ranges[:-1]]
-    return ", ".join(parts) + f", above {_fmt(ranges[-2]['max_bytes'])} {ranges[-1]['algorithm']}"
-
-
-def _fmt(n: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.4g}{unit}"
-    return f"{n}B"
-
-
 def write(file: str, device: str, world_size: int, hosts: int, ranges: list[dict], measured: dict) -> None:
     """Adds or replaces this layout's entry in `file`, keeping the others."""
     doc = {"commlab_tuning": FORMAT, "layouts": []}

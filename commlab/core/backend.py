@@ -85,7 +85,7 @@ class CommlabBackend(_C10dBackend):
 
     def allreduce(self, tensors, opts):
         if _internal() or len(tensors) != 1 or not _served(tensors[0]):
-            return self._gloo().allreduce(tensors, opts)
+            return self._delegate("allreduce", tensors, opts)
         # opts.reduceOp is a new object on every call: the plan cache keys ops by identity,
         # so pass commlab's own (stable) Op, else every call would be planned afresh.
         tensor, op, group, algorithm = tensors[0], parse_op(opts.reduceOp), self._group, self._algorithm
@@ -122,13 +122,8 @@ class CommlabBackend(_C10dBackend):
                                              and inp.numel() == output.numel() * self.size()):
             return self._delegate("reduce_scatter_single", output, inp, opts)
 
-        def run(info):
-            out = _flat(output)
-            shm.reduce_scatter(out, _flat(inp), int(Op.SUM if op is Op.AVG else op), info, LABEL)
-            if op is Op.AVG:
-                finish_average_(out, info.size)
-
-        return self._shm_or_gloo(run, [output], "reduce_scatter_single", output, inp, opts)
+        return self._shm_or_gloo(lambda info: _reduce_scatter(_flat(output), _flat(inp), op, info), [output],
+                                 "reduce_scatter_single", output, inp, opts)
 
     def reduce_scatter(self, outputs, inputs, opts):
         op = _reduce_op(opts.reduceOp)
@@ -138,16 +133,10 @@ class CommlabBackend(_C10dBackend):
                 or not all(_dense(i) and i.dtype == outputs[0].dtype and i.numel() == outputs[0].numel()
                            for i in inputs[0]):
             return self._delegate("reduce_scatter", outputs, inputs, opts)
-        output = outputs[0]
-
-        def run(info):
-            out = _flat(output)
-            flat = torch.cat([i.reshape(-1) for i in inputs[0]])
-            shm.reduce_scatter(out, flat, int(Op.SUM if op is Op.AVG else op), info, LABEL)
-            if op is Op.AVG:
-                finish_average_(out, info.size)
-
-        return self._shm_or_gloo(run, outputs, "reduce_scatter", outputs, inputs, opts)
+        output, parts = outputs[0], inputs[0]
+        return self._shm_or_gloo(lambda info: _reduce_scatter(_flat(output), torch.cat([i.reshape(-1) for i in parts]),
+                                                              op, info),
+                                 outputs, "reduce_scatter", outputs, inputs, opts)
 
     def broadcast(self, tensors, opts):
         if _internal() or len(tensors) != 1 or not _dense(tensors[0]):
@@ -183,9 +172,6 @@ class CommlabBackend(_C10dBackend):
 
     # -- everything else: gloo ----------------------------------------------------------
 
-    def _gloo(self):
-        return self._inner if _internal() else self._front
-
     def _delegate(self, name, *args):
         """gloo's `name(*args)`; from the caller, only once every call queued before it
         has run (so calls on the group keep their order and never race on a tensor)."""
@@ -199,15 +185,12 @@ class CommlabBackend(_C10dBackend):
 
     def _submit(self, job, result, caller_waits: bool = False):
         fut = torch.futures.Future()
-        if threading.current_thread() is self._thread:
-            # A callback of an earlier call's future (torch's hooks chain collectives
-            # that way): it runs here, in the same place of the sequence on every rank,
-            # and a caller that waits on it cannot wait on this thread.
-            _run(job, fut, result)
-            return _Work(fut, result)
-        if caller_waits and not self._pending.count:
-            # A blocking call with nothing queued runs on the caller's thread: the hop to
-            # the backend's thread and back cost ~120 us per call (2 ranks, 4 KiB).
+        # Run at once, on this thread: a callback of an earlier call's future (torch's hooks
+        # chain collectives that way) runs here, in the same place of the sequence on every
+        # rank, and a caller that waits on it cannot wait on this thread; a blocking call
+        # with nothing queued saves the hop to the backend's thread and back (~120 us per
+        # call, 2 ranks, 4 KiB).
+        if threading.current_thread() is self._thread or (caller_waits and not self._pending.count):
             _run(job, fut, result)
             return _Work(fut, result)
         with self._lock:
@@ -323,6 +306,12 @@ def _dense(t: torch.Tensor) -> bool:
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.view(-1)
+
+
+def _reduce_scatter(out: torch.Tensor, whole: torch.Tensor, op: Op, info) -> None:
+    shm.reduce_scatter(out, whole, int(Op.SUM if op is Op.AVG else op), info, LABEL)
+    if op is Op.AVG:
+        finish_average_(out, info.size)
 
 
 def _reduce_op(op) -> Op | None:

@@ -22,12 +22,13 @@ import torch.distributed as dist
 
 from commlab import algorithms
 from commlab.algorithms import tuning
+from commlab.core import groups
 from commlab.core.reduction import Op, finish_average_, parse_op
 from commlab.measure import costmodel, envinfo, launch
 from commlab.measure.rows import anchor_rows, registry_rows
 from commlab.measure.timing import Interleaved
 from commlab.measure.units import format_bytes, parse_bytes
-from commlab.transports.setup import host_id
+from commlab.transports.setup import gather, host_id
 
 DTYPES = {
     "float": torch.float32, "float32": torch.float32, "double": torch.float64, "float64": torch.float64,
@@ -134,8 +135,7 @@ def run_bench(args) -> dict | None:
 def tuning_entry(args, doc: dict, device, names: list[str]) -> dict:
     """This run's winners per size range for `auto` (collective: counts the hosts as
     auto does)."""
-    hosts = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, host_id())
+    hosts = gather(groups.resolve(None), host_id(), "bench", "counting hosts for --tune")
     env = doc["env"]
     return {"device": device.type, "world_size": dist.get_world_size(), "hosts": len(set(hosts)),
             "ranges": tuning.winners(doc["results"], [n for n in names if n != "auto"]),
@@ -143,6 +143,14 @@ def tuning_entry(args, doc: dict, device, names: list[str]) -> dict:
                          "timing": env["timing"], "dtype": str(DTYPES[args.datatype]).replace("torch.", ""),
                          "op": args.op, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                          "commlab": env.get("commlab"), "torch": env.get("torch"), "cpu": env.get("cpu")}}
+
+
+def describe_tuning(ranges: list[dict]) -> str:
+    """E.g. "up to 22.6K shm, above 22.6K builtin"."""
+    if len(ranges) == 1:
+        return f"{ranges[0]['algorithm']} at every size"
+    parts = [f"up to {format_bytes(r['max_bytes'])} {r['algorithm']}" for r in ranges[:-1]]
+    return ", ".join(parts) + f", above {format_bytes(ranges[-2]['max_bytes'])} {ranges[-1]['algorithm']}"
 
 
 def size_list(args) -> list[int]:
@@ -204,7 +212,7 @@ def report(doc: dict) -> str:
     if doc.get("tuning"):
         t = doc["tuning"]
         lines.append(f"# tuning for auto ({t['device']}, {t['world_size']} ranks, {t['hosts']} host(s)): "
-                     + tuning.describe(t["ranges"]))
+                     + describe_tuning(t["ranges"]))
     lines.append("# cost model fit (time = steps*alpha + bytes_sent*beta + bytes_reduced*gamma):")
     for a, f in fits.items():
         lines.append(f"#   {a:>11}: alpha {f.alpha_us:8.2f} us  1/beta {f.bandwidth_gbps:8.3f} GB/s  "

@@ -183,7 +183,7 @@ def abort(info: GroupInfo, algorithm: str, why: str) -> None:
         except Exception:  # noqa: BLE001 - already unusable: its peers were told then
             pass
         entry.comm = None
-        entry.fail(CommlabError(f"commlab[{algorithm}]: unusable after an earlier failure: {why}"))
+        entry.call_failed("shared memory", algorithm, CommlabError(why), None)  # later calls say why
         comm.close()
 
 

@@ -660,27 +660,37 @@ void ShmComm::allreduce(const torch::Tensor& t, int64_t op, int64_t mode) {
 }
 
 namespace {
-void check_dense(const torch::Tensor& t, const char* what) {
+void check_dense(const torch::Tensor& t, const char* what, const char* role) {
   TORCH_CHECK(t.device().is_cpu() && t.layout() == c10::kStrided && t.is_contiguous() && !t.is_neg() && !t.is_conj(),
-              "commlab shm: ", what, " must be a contiguous CPU tensor");
+              "commlab shm: ", what, "'s ", role, " must be a contiguous CPU tensor");
+}
+
+// all_gather's and reduce_scatter's checks: `whole` holds world x `part` elements of
+// one dtype. Returns the part's bytes.
+int64_t check_pair(const torch::Tensor& whole, const char* whole_role, const torch::Tensor& part,
+                   const char* part_role, const char* what, int world) {
+  check_dense(whole, what, whole_role);
+  check_dense(part, what, part_role);
+  TORCH_CHECK(whole.scalar_type() == part.scalar_type(), "commlab shm: ", what, "'s input and output differ in dtype");
+  TORCH_CHECK(whole.numel() == part.numel() * world, "commlab shm: ", what, "'s ", whole_role,
+              " must hold world size x ", part_role);
+  return part.numel() * part.element_size();
+}
+
+// Nothing to exchange: an empty part, or a group of one (the input is the output).
+bool nothing_to_exchange(char* dst, const char* src, int64_t nbytes, int world) {
+  if (nbytes != 0 && world == 1 && dst != src) std::memmove(dst, src, nbytes);
+  return nbytes == 0 || world == 1;
 }
 }  // namespace
 
 void ShmComm::allgather(const torch::Tensor& out, const torch::Tensor& in) {
   check_usable();
-  check_dense(out, "all_gather's output");
-  check_dense(in, "all_gather's input");
-  TORCH_CHECK(out.scalar_type() == in.scalar_type(), "commlab shm: all_gather's input and output differ in dtype");
-  TORCH_CHECK(out.numel() == in.numel() * world_, "commlab shm: all_gather's output must hold world size x input");
+  const int64_t nbytes = check_pair(out, "output", in, "input", "all_gather", world_);
   const int64_t elsize = in.element_size();
-  const int64_t nbytes = in.numel() * elsize;
   char* dst = static_cast<char*>(out.data_ptr());
   const char* src = static_cast<const char*>(in.data_ptr());
-  if (nbytes == 0) return;
-  if (world_ == 1) {
-    if (dst != src) std::memmove(dst, src, nbytes);
-    return;
-  }
+  if (nothing_to_exchange(dst, src, nbytes, world_)) return;
   const int64_t max_piece = (capacity_ / elsize) * elsize;
   const Call call{kAllGather, nbytes, static_cast<int32_t>(in.scalar_type()), -1, -1, -1};
   guarded([&] {
@@ -703,20 +713,12 @@ void ShmComm::allgather(const torch::Tensor& out, const torch::Tensor& in) {
 
 void ShmComm::reduce_scatter(const torch::Tensor& out, const torch::Tensor& in, int64_t op) {
   check_usable();
-  check_dense(out, "reduce_scatter's output");
-  check_dense(in, "reduce_scatter's input");
   TORCH_CHECK(op >= 0 && op <= 3, "commlab shm: op code must be 0..3");
-  TORCH_CHECK(out.scalar_type() == in.scalar_type(), "commlab shm: reduce_scatter's input and output differ in dtype");
-  TORCH_CHECK(in.numel() == out.numel() * world_, "commlab shm: reduce_scatter's input must hold world size x output");
+  const int64_t nbytes = check_pair(in, "input", out, "output", "reduce_scatter", world_);  // per rank
   const int64_t elsize = in.element_size();
-  const int64_t nbytes = out.numel() * elsize;  // per rank
   char* dst = static_cast<char*>(out.data_ptr());
   const char* src = static_cast<const char*>(in.data_ptr());
-  if (nbytes == 0) return;
-  if (world_ == 1) {
-    if (dst != src) std::memmove(dst, src, nbytes);
-    return;
-  }
+  if (nothing_to_exchange(dst, src, nbytes, world_)) return;
   // A piece holds the same stretch of every rank's slice.
   const int64_t max_piece = (capacity_ / (elsize * world_)) * elsize;
   TORCH_CHECK(max_piece > 0, "commlab shm: capacity too small for reduce_scatter among ", world_, " ranks");
@@ -743,7 +745,7 @@ void ShmComm::reduce_scatter(const torch::Tensor& out, const torch::Tensor& in, 
 
 void ShmComm::broadcast(const torch::Tensor& t, int64_t root) {
   check_usable();
-  check_dense(t, "broadcast's tensor");
+  check_dense(t, "broadcast", "tensor");
   TORCH_CHECK(root >= 0 && root < world_, "commlab shm: broadcast root ", root, " is not a rank of this group");
   const int64_t elsize = t.element_size();
   const int64_t nbytes = t.numel() * elsize;
