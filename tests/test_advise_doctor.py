@@ -67,7 +67,49 @@ def test_doctor_cli_smoke_tests_every_algorithm():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in commlab.algorithms.for_device("cpu"):
         assert f"[PASS] all-reduce {name}: 2 local ranks correct" in proc.stdout, proc.stdout
+    assert "[PASS] host layout: 1 host(s), 2 ranks" in proc.stdout
     assert "[PASS] /dev/shm" in proc.stdout or "[WARN] /dev/shm" in proc.stdout
+
+
+def layout_check(rank, p, hosts):
+    os.environ["COMMLAB_HOST_ID"] = f"h{hosts[rank]}"
+    try:
+        c = doctor.check_layout()
+        return c.status, c.detail, c.fix
+    finally:
+        del os.environ["COMMLAB_HOST_ID"]
+
+
+@pytest.mark.parametrize("hosts,status,says", [
+    ([0, 0, 1, 1], doctor.PASS, ["2 host(s), 4 ranks (host 0: ranks 0-1; host 1: ranks 2-3)",
+                                 "shm reduce-scatter on each host into 2 shard(s) -> builtin all-reduce of each shard "
+                                 "across 2 hosts", "auto on CPU tensors: hier"]),
+    ([0, 0, 0, 1], doctor.PASS, ["host 0: ranks 0-2; host 1: ranks 3", "into 1 shard(s)",
+                                 "hosts with more than 1 ranks reduce the whole tensor in shm"]),
+    ([0, 1, 2, 2], doctor.PASS, ["3 host(s)"]),
+    ([0, 1, 0, 1], doctor.WARN, ["host 0: ranks 0,2; host 1: ranks 1,3"]),
+    ([0, 1, 2, 3], doctor.PASS, ["hier = builtin across the hosts", "auto on CPU tensors: builtin"]),
+    ([0, 0, 0, 0], doctor.PASS, ["1 host(s), 4 ranks", "hier = shm on this host", "auto on CPU tensors: shm"]),
+])
+def test_doctor_reports_the_host_layout_and_hiers_path(ranks, hosts, status, says):
+    got = ranks.run(4, layout_check, hosts)
+    assert all(g == got[0] for g in got), got  # every rank sees the same layout
+    assert got[0][0] == status, got[0]
+    for text in says:
+        assert text in got[0][1], (text, got[0][1])
+    if status == doctor.WARN:
+        assert "not numbered host by host" in got[0][2]
+
+
+def test_doctor_under_torchrun_checks_the_jobs_ranks():
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "commlab.doctor", "--timeout", "20"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[PASS] host layout: 1 host(s), 2 ranks (host 0: ranks 0-1); hier = shm on this host" in proc.stdout
+    assert "[PASS] all-reduce hier: 2 ranks correct" in proc.stdout, proc.stdout
+    assert proc.stdout.count("# ") == 1  # rank 0 alone reports
 
 
 def test_rendezvous_checks(monkeypatch):

@@ -60,14 +60,8 @@ class Auto(Algorithm):
             table = tuning.load(file, device_type, ctx.info.size, hosts, registry.names())
             if table is not None:
                 return _Choice(self.name, ctx, table=table)
-        # The built-in rule, from measurements (docs/measurements.md): shm on one host;
-        # across hosts hier where some host has several ranks (2x2 over 1-10 Gbit/s:
-        # 1.4-1.7x flat gloo), else the backend's own. A two-level cost model should
-        # replace the second half (issue 17).
-        if device_type != "cpu":
-            return _Choice(self.name, ctx, fixed="builtin")
-        per_host = max(collections.Counter(f["host"] for f in facts).values())
-        return _Choice(self.name, ctx, fixed="shm" if hosts == 1 else ("hier" if per_host > 1 else "builtin"))
+        per_host = list(collections.Counter(f["host"] for f in facts).values())
+        return _Choice(self.name, ctx, fixed=rule(device_type, per_host))
 
     def run(self, buf, op, ctx):
         choices = ctx.transport  # {device type: _Choice}, per plan
@@ -110,6 +104,15 @@ class _Choice:
                 raise UnsupportedError(f"commlab[{alg.name}]: {reason}{where}")
             got = self.ready[name] = (alg, Context(info=self.ctx.info, p2p=P2P(self.ctx.info, alg.name)))
         return got
+
+
+def rule(device_type: str, per_host: list[int]) -> str:
+    """The built-in pick without a tuning file, from measurements (docs/measurements.md):
+    shm on one host; across hosts hier where some host has several ranks (2x2 over 1-10
+    Gbit/s: 1.4-1.7x flat gloo), else the backend's own; the backend's on GPUs."""
+    if device_type != "cpu":
+        return "builtin"
+    return "shm" if len(per_host) == 1 else ("hier" if max(per_host) > 1 else "builtin")
 
 
 def _digest(file: str) -> str:

@@ -29,6 +29,22 @@ class Cost:
 
 
 @dataclass(frozen=True)
+class Stage:
+    """One level's share of an all-reduce's critical path across hosts (the two-level
+    cost model): time ≈ Σ steps·α[level] + bytes·β[level] + reduced·γ. Levels: `shm`
+    (shared memory on a host), `host` (point-to-point between ranks of one host) and
+    `link` (the host link; `bytes` are those crossing one host's link in one direction,
+    every rank of the host that sends across at once counted). `by`: the implementation
+    that runs it (its per-step software cost is its own; bytes cost the level's)."""
+
+    level: str
+    steps: float
+    bytes: float
+    reduced: float
+    by: str
+
+
+@dataclass(frozen=True)
 class Traffic:
     """Memory traffic of one rank in one all-reduce, read + written: `tensor` is the
     caller's tensor (it streams from DRAM once the ranks' tensors outgrow the last-level
@@ -62,9 +78,20 @@ class Algorithm:
     wins_when: str = ""
     devices: tuple[str, ...] = ("cpu", "cuda")
     order: int = 100  # position in algorithm_names()
+    level: str = "host"  # what its bytes move over on one host (Stage.level)
 
     def cost(self, p: int, nbytes: float) -> Cost:
         raise NotImplementedError
+
+    def stages(self, hosts: int, per_host: int, nbytes: float) -> list[Stage] | None:
+        """The critical path of one all-reduce of nbytes on `hosts` hosts of `per_host`
+        ranks each (ranks numbered host by host, as torchrun does), per level. On one
+        host that is cost() on this algorithm's level; across hosts None unless the
+        algorithm derives its schedule (the cost model then leaves it out)."""
+        if hosts == 1:
+            c = self.cost(per_host, nbytes)
+            return [Stage(self.level, c.steps, c.bytes_sent, c.bytes_reduced, self.name)]
+        return None
 
     @staticmethod
     def busbw_factor(p: int) -> float:

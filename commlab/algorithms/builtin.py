@@ -5,6 +5,7 @@ from commlab.core.errors import PeerError
 from commlab.core.reduction import TO_TORCH
 
 from .base import Algorithm, Cost
+from .ring import ring_stages
 
 
 class Builtin(Algorithm):
@@ -16,6 +17,9 @@ class Builtin(Algorithm):
 
     def cost(self, p, nbytes):
         return Cost(2 * (p - 1), 2 * (p - 1) / p * nbytes, (p - 1) / p * nbytes)
+
+    def stages(self, hosts, per_host, nbytes):
+        return ring_stages(self.cost(hosts * per_host, nbytes), hosts, self.name)  # gloo's allreduce is a ring
 
     def run(self, buf, op, ctx):
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from commlab.transports import shm
 from commlab.transports.p2p import P2P
 from commlab.transports.setup import gather, host_id
 
-from .base import Algorithm, Context, Cost, Traffic
+from .base import Algorithm, Context, Cost, Stage
 
 RING_MIN_SHARD = 1 << 20  # below, Rabenseifner's log2 steps win; at and above, ring's neighbour pattern
 # The inter-host stage: the backend's own all-reduce on the shard's group by default. On
@@ -45,15 +45,6 @@ class Layout:
     inter: Context | None  # the ranks with this local index on every host (None past k, or one host)
 
 
-@dataclass(frozen=True)
-class Levels:
-    """One all-reduce of n bytes, per level, for the busiest rank."""
-
-    intra: Traffic  # bytes through memory on the host (shared-memory stages)
-    inter: Cost  # steps and bytes each rank sends on the host link, bytes it reduces
-    link_bytes: float  # bytes that cross one host's link in each direction
-
-
 class Hierarchical(Algorithm):
     name = "hier"
     summary = "two levels: shm reduce-scatter on each host, all-reduce of each shard across hosts, shm all-gather"
@@ -63,17 +54,25 @@ class Hierarchical(Algorithm):
     wins_when = "several ranks per host and a slow host link: each host sends its data over the link once"
     devices = ("cpu",)
     order = 65
+    level = "shm"
 
     def cost(self, p, nbytes):
-        # On one host it is shm; across hosts see levels().
+        # On one host it is shm; across hosts see stages().
         return Cost(2, 2 * nbytes, (p - 1) / p * nbytes)
 
-    def levels(self, hosts: int, per_host: int, nbytes: float) -> Levels:
-        k, h = per_host, hosts
-        shard = nbytes / k
-        inter = _inter_algorithm(h, int(shard)).cost(h, shard) if h > 1 else Cost(0, 0, 0)
-        intra = Traffic(tensor=2 * nbytes, staging=3 * nbytes) if k > 1 else Traffic(0, 0)
-        return Levels(intra=intra, inter=inter, link_bytes=k * inter.bytes_sent)
+    def stages(self, hosts, per_host, nbytes):
+        k = per_host
+        # Reduce-scatter + all-gather in shared memory: shm's two-shot all-reduce in two calls.
+        intra = [Stage("shm", 2, 2 * nbytes, (k - 1) / k * nbytes, "shm")] if k > 1 else []
+        if hosts == 1:
+            return intra
+        from commlab import algorithms
+
+        inter = algorithms.get(_inter_name(hosts, int(nbytes / k))).stages(hosts, 1, nbytes / k)
+        if inter is None:
+            return None
+        # The k shards cross each host's link at once, one per local index.
+        return intra + [replace(s, bytes=s.bytes * k) if s.level == "link" else s for s in inter]
 
     def unsupported(self, tensor, op, info):
         return shm.unsupported(info)
@@ -123,12 +122,17 @@ class Hierarchical(Algorithm):
             buf.copy_(padded[:n])
 
 
-def _inter_algorithm(hosts: int, shard_bytes: int) -> Algorithm:
-    from commlab import algorithms
-
+def _inter_name(hosts: int, shard_bytes: int) -> str:
     name = os.environ.get("COMMLAB_HIER_INTER", "") or INTER
     if name == "size":
         name = "rhd" if hosts & (hosts - 1) == 0 or shard_bytes < RING_MIN_SHARD else "ring"
+    return name
+
+
+def _inter_algorithm(hosts: int, shard_bytes: int) -> Algorithm:
+    from commlab import algorithms
+
+    name = _inter_name(hosts, shard_bytes)
     alg = _named.get(name)
     if alg is None:  # its errors say what was asked for and what ran: commlab[hier->builtin]
         alg = _named[name] = copy.copy(algorithms.get(name))

@@ -15,6 +15,7 @@ class CudaIpc(Algorithm):
     wins_when = "GPUs of one host with NVLink/PCIe P2P and small to medium messages (latency-bound)"
     devices = ("cuda",)
     order = 80
+    level = "ipc"
     mode = ipc.Mode.AUTO  # one-shot up to COMMLAB_IPC_ONESHOT_MAX, two-shot above
 
     def cost(self, p, nbytes):

@@ -7,7 +7,7 @@ from commlab.core import chunks
 from commlab.core.reduction import combine_
 
 from . import pow2
-from .base import Algorithm, Cost
+from .base import Algorithm, Cost, Stage
 
 
 class HalvingDoubling(Algorithm):
@@ -24,6 +24,19 @@ class HalvingDoubling(Algorithm):
             2 * (q - 1) / q * nbytes + extra * nbytes,
             (q - 1) / q * nbytes + extra * nbytes,
         )
+
+    def stages(self, hosts, per_host, nbytes):
+        if hosts == 1:
+            return super().stages(hosts, per_host, nbytes)
+        if pow2.folded(hosts * per_host)[1]:
+            return None  # folded groups: not derived
+        # Halving starts with the nearest partner: log2(per_host) steps on the host with
+        # pieces n/2 ... n/per_host, then log2(hosts) across with what is left, every rank
+        # of a host at once: per_host · 2(hosts-1)/hosts · n/per_host on each link.
+        near = 1 - 1 / per_host
+        far = (1 - 1 / hosts) / per_host
+        return [Stage("host", 2 * pow2.log2(per_host), 2 * near * nbytes, near * nbytes, self.name),
+                Stage("link", 2 * pow2.log2(hosts), 2 * per_host * far * nbytes, far * nbytes, self.name)]
 
     def run(self, buf, op, ctx):
         scratch = torch.empty_like(buf)
@@ -42,8 +55,11 @@ class HalvingDoubling(Algorithm):
 
         lo, hi = 0, f.pow2
         given = []
-        mask = f.pow2 >> 1
-        while mask:
+        # Nearest partner first: with ranks numbered host by host, the halving's large
+        # first pieces stay on the host and only the last log2(hosts) steps, with
+        # pieces of n/(ranks per host) and less, cross host links (stages()).
+        mask = 1
+        while mask < f.pow2:
             partner = f.real(nr ^ mask)
             mid = (lo + hi) // 2
             keep, give = ((mid, hi), (lo, mid)) if nr & mask else ((lo, mid), (mid, hi))
@@ -53,7 +69,7 @@ class HalvingDoubling(Algorithm):
             combine_(mine, incoming, op)
             given.append((give, partner))
             lo, hi = keep
-            mask >>= 1
+            mask <<= 1
         # Now this rank owns the full reduction of chunk `nr`; double back out.
         for give, partner in reversed(given):
             ctx.p2p.run([(span(lo, hi), partner)], [(span(*give), partner)])

@@ -7,7 +7,7 @@ import torch
 from commlab.core import chunks
 from commlab.core.reduction import combine_
 
-from .base import Algorithm, Cost
+from .base import Algorithm, Cost, Stage
 
 # Within one step a chunk travels as segments so the reduction of segment k
 # overlaps the transfer of segment k+1.
@@ -23,6 +23,10 @@ class Ring(Algorithm):
 
     def cost(self, p, nbytes):
         return Cost(2 * (p - 1), 2 * (p - 1) / p * nbytes, (p - 1) / p * nbytes)
+
+    def stages(self, hosts, per_host, nbytes):
+        return ring_stages(self.cost(hosts * per_host, nbytes), hosts, self.name)
+
 
     def run(self, buf, op, ctx):
         p, r = ctx.size, ctx.rank
@@ -51,6 +55,12 @@ class Ring(Algorithm):
         # ends with the owner's bytes, so results are bitwise identical.
         for s in range(p - 1):
             ctx.p2p.run([(parts[(r + 1 - s) % p], right)], [(parts[(r - s) % p], left)])
+
+
+def ring_stages(c: Cost, hosts: int, by: str) -> list[Stage]:
+    """A ring over ranks numbered host by host: one pair per host link, each way, every
+    step, and every step waits for its slowest pair, the one that crosses."""
+    return [Stage("link" if hosts > 1 else "host", c.steps, c.bytes_sent, c.bytes_reduced, by)]
 
 
 ALGORITHM = Ring()

@@ -1,6 +1,8 @@
 """Shared-memory all-reduce for CPU ranks on one host (commlab._C.ShmComm): one-shot
 (every rank reduces all inputs, one synchronisation) for small messages, two-shot
 (reduce-scatter into one's own slot, then all-gather) for large ones."""
+from dataclasses import replace
+
 from commlab.transports import shm
 
 from .base import Algorithm, Cost, Traffic
@@ -14,6 +16,11 @@ class SharedMemory(Algorithm):
     wins_when = "ranks on one host: no sockets, no kernel copies, reductions read peers' memory directly"
     devices = ("cpu",)
     order = 60
+    level = "shm"
+
+    def stages(self, hosts, per_host, nbytes):
+        st = super().stages(hosts, per_host, nbytes)
+        return st and [replace(s, by="shm") for s in st]  # shm_ps too: one transport, one per-step cost
     mode = shm.Mode.AUTO
 
     def cost(self, p, nbytes):

@@ -2,6 +2,7 @@
 DDP hangs), each a PASS/WARN/FAIL line with a fix.
 
     python -m commlab.doctor --world-size 4
+    torchrun --nnodes 2 --nproc_per_node 4 ... -m commlab.doctor   # the hosts it sees, hier's path
     # inside a torchrun job:
     commlab.doctor.check_data(loader)   # identical batches on every rank? (the seed's NaN-loss cause)
     commlab.doctor.check_grads(model)   # which rank and parameter has a non-finite gradient
@@ -142,11 +143,61 @@ def check_rendezvous() -> list[Check]:
     return out
 
 
+# -- the host layout -----------------------------------------------------------------------------
+def check_layout(group=None) -> Check:
+    """Collective: the hosts this group's ranks are on (the identity shm and hier group
+    by: hostname, boot, mount and network namespace), and the path `hier` and `auto`
+    take on them."""
+    from commlab.algorithms import auto, hier
+    from commlab.core import groups
+    from commlab.transports.setup import gather, host_id
+
+    info = groups.resolve(group)
+    ids = gather(info, host_id(), "doctor", "grouping ranks by host")
+    members: dict[str, list[int]] = {}
+    for r, h in enumerate(ids):
+        members.setdefault(h, []).append(info.global_rank(r))
+    hosts = list(members.values())
+    per_host = [len(m) for m in hosts]
+    k = min(per_host)
+    shown = "; ".join(f"host {i}: ranks {_ranges(m)}" for i, m in enumerate(hosts[:8]))
+    detail = f"{len(hosts)} host(s), {info.size} ranks ({shown}{'; …' if len(hosts) > 8 else ''})"
+    inter = hier._inter_name(len(hosts), 1 << 20)
+    if len(hosts) == 1:
+        path = "hier = shm on this host"
+    elif k == 1 and max(per_host) == 1:
+        path = f"hier = {inter} across the hosts (one rank per host: nothing to share on a host)"
+    else:
+        path = (f"hier: shm reduce-scatter on each host into {k} shard(s) -> {inter} all-reduce of each shard across "
+                f"{len(hosts)} hosts ({k} at once, one per local index) -> shm all-gather")
+        if max(per_host) > k:
+            path += f"; hosts with more than {k} ranks reduce the whole tensor in shm, their extra ranks only gather"
+    forced = auto._forced()
+    pick = forced or auto.rule("cpu", per_host)
+    detail += f"; {path}; auto on CPU tensors: {pick}" + (" (COMMLAB_ALGORITHM)" if forced else "")
+    if any(m != list(range(m[0], m[0] + len(m))) for m in hosts):
+        return Check(WARN, "host layout", detail, "ranks are not numbered host by host: flat ring and rhd then cross "
+                     "host links at steps that would stay on a host (hier is unaffected); launch with torchrun, "
+                     "which numbers ranks host by host")
+    return Check(PASS, "host layout", detail)
+
+
+def _ranges(ranks: list[int]) -> str:
+    out, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(out)
+
+
 # -- the all-reduce smoke test on local ranks ---------------------------------------------------
-def _smoke_rank(rank: int, world: int) -> list[tuple[str, str | None, float]]:
-    """Every CPU algorithm once on this rank: (name, error or None, seconds)."""
+def _smoke_rank(rank: int, world: int) -> tuple[list[tuple[str, str | None, float]], Check]:
+    """Every CPU algorithm once on this rank: (name, error or None, seconds); and the
+    host layout."""
     import commlab
 
+    layout = check_layout()
     out = []
     for name in commlab.algorithms.for_device("cpu"):
         t0 = time.perf_counter()
@@ -158,7 +209,7 @@ def _smoke_rank(rank: int, world: int) -> list[tuple[str, str | None, float]]:
         except Exception as e:  # noqa: BLE001 - reported as a FAIL line
             status = f"{type(e).__name__}: {e}"
         out.append((name, status, time.perf_counter() - t0))
-    return out
+    return out, layout
 
 
 def smoke_test(world_size: int, timeout_s: float = 30.0) -> list[Check]:
@@ -167,11 +218,15 @@ def smoke_test(world_size: int, timeout_s: float = 30.0) -> list[Check]:
     names = commlab.algorithms.for_device("cpu")
     outcomes = launch.run_once(world_size, _smoke_rank, backend="gloo", pg_timeout_s=timeout_s,
                                timeout=timeout_s * (len(names) + 1) + 60)
+    return _verdicts(names, world_size, {r: o.result for r, o in outcomes.items() if o.status == "ok"}, "local ")
+
+
+def _verdicts(names: list[str], world_size: int, got_by_rank: dict, where: str) -> list[Check]:
     results: dict[str, dict[int, tuple]] = {n: {} for n in names}
-    for rank, o in outcomes.items():
-        for name, status, secs in (o.result if o.status == "ok" else []):
+    for rank, (rows, _) in got_by_rank.items():
+        for name, status, secs in rows:
             results[name][rank] = (status, secs)
-    out = []
+    out = [got_by_rank[min(got_by_rank)][1]] if got_by_rank else []
     for name in names:
         got = results[name]
         missing = [r for r in range(world_size) if r not in got]
@@ -182,7 +237,8 @@ def smoke_test(world_size: int, timeout_s: float = 30.0) -> list[Check]:
             out.append(Check(FAIL, f"all-reduce {name}", detail, "run with TORCH_DISTRIBUTED_DEBUG=DETAIL"))
         else:
             slowest = max(secs for _, secs in got.values())
-            out.append(Check(PASS, f"all-reduce {name}", f"{world_size} local ranks correct, {slowest * 1e3:.1f} ms (incl. setup)"))
+            out.append(Check(PASS, f"all-reduce {name}",
+                             f"{world_size} {where}ranks correct, {slowest * 1e3:.1f} ms (incl. setup)"))
     return out
 
 
@@ -279,13 +335,39 @@ def run_all(world_size: int, timeout_s: float) -> list[Check]:
     return checks
 
 
+def in_job(timeout_s: float) -> list[Check] | None:
+    """Under torchrun (any number of hosts): the host layout and every CPU algorithm on
+    the job's ranks; rank 0 gets the checks, the others None."""
+    import datetime
+
+    import commlab
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        mine = _smoke_rank(dist.get_rank(), dist.get_world_size())
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        if dist.get_rank():
+            return None
+        return check_backends() + [check_shm()] + _verdicts(commlab.algorithms.for_device("cpu"),
+                                                              dist.get_world_size(), dict(enumerate(every)), "")
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m commlab.doctor", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world-size", type=int, default=2, help="local ranks for the all-reduce smoke test (0: skip)")
+    ap.add_argument("--world-size", type=int, default=2, help="local ranks for the all-reduce smoke test (0: skip); "
+                    "under torchrun the job's ranks, on every host, are used instead")
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds each collective may take")
     args = ap.parse_args(argv)
-    checks = run_all(args.world_size, args.timeout)
+    if launch.detect().kind == "torchrun":
+        checks = in_job(args.timeout)
+        if checks is None:
+            return 0
+    else:
+        checks = run_all(args.world_size, args.timeout)
     for c in checks:
         print(c.line(), flush=True)
     fails = sum(c.status == FAIL for c in checks)

@@ -74,6 +74,7 @@ def run_bench(args) -> dict | None:
     rows += anchors
     sizes = size_list(args)
     env = envinfo.collect(device)
+    env["hosts"] = host_layout()
     env["gamma_us_per_byte"] = costmodel.measure_gamma_us_per_byte(dtype, device)
     if device.type == "cpu" and any(algorithms.get(r.name).memory_traffic(p, 1 << 20) is not None
                                     for r in rows if r.name in algorithms.names()):
@@ -132,12 +133,17 @@ def run_bench(args) -> dict | None:
     return doc if rank == 0 else None
 
 
+def host_layout() -> list[int]:
+    """Collective: ranks on each host, hosts in order of their lowest rank (the
+    identity shm and hier group by), for the two-level cost model and tuning."""
+    ids = gather(groups.resolve(None), host_id(), "bench", "grouping ranks by host")
+    return [ids.count(h) for h in dict.fromkeys(ids)]
+
+
 def tuning_entry(args, doc: dict, device, names: list[str]) -> dict:
-    """This run's winners per size range for `auto` (collective: counts the hosts as
-    auto does)."""
-    hosts = gather(groups.resolve(None), host_id(), "bench", "counting hosts for --tune")
+    """This run's winners per size range for `auto`, for its layout."""
     env = doc["env"]
-    return {"device": device.type, "world_size": dist.get_world_size(), "hosts": len(set(hosts)),
+    return {"device": device.type, "world_size": dist.get_world_size(), "hosts": len(env["hosts"]),
             "ranges": tuning.winners(doc["results"], [n for n in names if n != "auto"]),
             "measured": {"command": "python -m commlab.allreduce_bench " + " ".join(getattr(args, "argv", [])),
                          "timing": env["timing"], "dtype": str(DTYPES[args.datatype]).replace("torch.", ""),

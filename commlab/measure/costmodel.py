@@ -1,11 +1,19 @@
-"""α-β-γ cost model: fit each algorithm's α (per step), β (per byte sent) and γ (per
-byte reduced) to measured times, then predict beyond this machine.
+"""α-β-γ cost models, fitted to measured times, predicting beyond this machine.
 
-The formulas live with the algorithms (Algorithm.cost); this module only fits and
-predicts. The fit minimises relative error, since sizes span seven orders of magnitude
-and an absolute fit would ignore every small message.
+One level: each algorithm's α (per step), β (per byte sent), γ (per byte reduced)
+fitted to one bench run (--from). Two levels: one α, β per level a byte moves over
+(`shm`: shared memory on a host, `host`: point-to-point inside a host, `link`: the host
+link), shared by every algorithm, fitted to runs of several host layouts (--fit, e.g.
+the emulated hosts of scripts/emulated_hosts.py), then extrapolated to a topology and a
+link nobody here has (--topology, --inter).
+
+The formulas live with the algorithms (Algorithm.cost, Algorithm.stages); this module
+only fits and predicts. Fits minimise relative error, since sizes span seven orders of
+magnitude and an absolute fit would ignore every small message.
 
     python -m commlab.costmodel --from results.json --ranks 8,64,512 --bytes 100M
+    python -m commlab.costmodel --fit docs/data/costmodel/*.json --holdout
+    python -m commlab.costmodel --intra docs/data/costmodel/*.json --topology 64x8,512x8 --inter 100gbit:5us
 """
 from __future__ import annotations
 
@@ -20,7 +28,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from commlab import algorithms
-from commlab.measure.units import format_bytes, parse_bytes
+from commlab.measure.units import approx_bytes, format_bytes, parse_bytes, parse_duration_us, parse_rate_gbps
 
 
 @dataclass(frozen=True)
@@ -242,16 +250,293 @@ def points_from_results(doc: dict) -> list[tuple[str, int, float, float]]:
     return [(r["algorithm"], p, float(r["bytes"]), float(r["time_us"])) for r in doc["results"]]
 
 
+# ---- two levels ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Point:
+    """One measured time: an algorithm on `hosts` hosts of `per_host` ranks each."""
+
+    algorithm: str
+    hosts: int
+    per_host: int
+    nbytes: float
+    time_us: float
+    source: str = ""
+
+    @property
+    def layout(self) -> str:
+        return f"{self.hosts}x{self.per_host}"
+
+
+@dataclass
+class TwoLevel:
+    """β per level (what a byte costs on shared memory, inside a host, on the host
+    link) and α per implementation and level (what a step costs: gloo's C++ ring and
+    commlab's Python steps differ by far more than any link's latency here)."""
+
+    beta_us_per_byte: dict[str, float]
+    alpha_us: dict[str, float]  # "by@level"
+    gamma_us_per_byte: float
+    median_rel_err: float = 0.0
+    max_rel_err: float = 0.0
+    points: int = 0
+
+    def predict_us(self, algorithm: str, hosts: int, per_host: int, nbytes: float) -> float | None:
+        """None where the algorithm has no derived schedule for the layout or the model
+        lacks one of its levels or step costs."""
+        st = algorithms.get(algorithm).stages(hosts, per_host, nbytes)
+        if st is None or any(s.level not in self.beta_us_per_byte or f"{s.by}@{s.level}" not in self.alpha_us
+                             for s in st):
+            return None
+        return sum(s.steps * self.alpha_us[f"{s.by}@{s.level}"] + s.bytes * self.beta_us_per_byte[s.level]
+                   + s.reduced * self.gamma_us_per_byte for s in st)
+
+    def with_link(self, rate_gbps: float, latency_us: float | None) -> "TwoLevel":
+        """The same model on another host link: β from its rate; each implementation's
+        step costs its fitted link step (software plus the emulated link's own few µs),
+        or, fitted on one host only, its step inside a host, plus the link's latency."""
+        if latency_us is None and not any(k.endswith("@link") for k in self.alpha_us):
+            raise ValueError("the fit has no link level: give the link's latency (--inter RATE:LATENCY)")
+        alpha = {k: v for k, v in self.alpha_us.items() if not k.endswith("@link")}
+        for key, a in self.alpha_us.items():
+            by, level = key.split("@")
+            if level == "host" and f"{by}@link" not in self.alpha_us or level == "link":
+                alpha[f"{by}@link"] = a + (latency_us or 0.0)
+        return TwoLevel({**self.beta_us_per_byte, "link": 1e-3 / rate_gbps}, alpha, self.gamma_us_per_byte,
+                        self.median_rel_err, self.max_rel_err, self.points)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TwoLevel":
+        return cls(**d)
+
+
+def layout_points(doc: dict, source: str = "") -> list[Point]:
+    """A bench JSON's times (each row's median call) with its host layout (env["hosts"]:
+    ranks per host; runs without it were on one host). Layouts with unequal hosts and
+    rows that are not a registered algorithm (anchors, builtin@commlab) are left out."""
+    env = doc["env"]
+    per_host = env.get("hosts") or [int(env["world_size"])]
+    if len(set(per_host)) != 1:
+        return []
+    known = set(algorithms.names())
+    return [Point(r["algorithm"], len(per_host), per_host[0], float(r["bytes"]), float(r.get("p50_us", r["time_us"])),
+                  source)
+            for r in doc["results"] if r["algorithm"] in known and r["time_us"] > 0 and r.get("wrong", 0) <= 0]
+
+
+def fit_levels(points: list[Point], gamma_us_per_byte: float) -> TwoLevel:
+    """Non-negative least squares on relative error over every point at once, so each
+    level's β is shared by every algorithm and layout; γ as measured (one element-wise
+    reduction on this machine), so that bytes sent and bytes reduced, proportional in
+    most algorithms, do not trade off against each other."""
+    from scipy.optimize import nnls
+
+    rows = [(q, st) for q in points if (st := algorithms.get(q.algorithm).stages(q.hosts, q.per_host, q.nbytes))]
+    levels = sorted({s.level for _, st in rows for s in st})
+    steps = sorted({f"{s.by}@{s.level}" for _, st in rows for s in st})
+    cols = {f"beta:{lv}": i for i, lv in enumerate(levels)} | {a: len(levels) + i for i, a in enumerate(steps)}
+    if len(rows) < 2 * len(cols):
+        raise ValueError(f"too few points ({len(rows)}) to fit {len(cols)} coefficients")
+    X = np.zeros((len(rows), len(cols)))
+    red = np.zeros(len(rows))
+    for i, (_, st) in enumerate(rows):
+        for s in st:
+            X[i, cols[f"beta:{s.level}"]] += s.bytes
+            X[i, cols[f"{s.by}@{s.level}"]] += s.steps
+            red[i] += s.reduced
+    t = np.array([q.time_us for q, _ in rows])
+    scale = np.maximum(X.max(0), 1e-30)  # columns of bytes and of steps differ by 10^6
+    c, _ = nnls(X / scale / t[:, None], (t - gamma_us_per_byte * red) / t, maxiter=50 * len(cols))
+    c = c / scale
+    model = TwoLevel({lv: float(c[cols[f"beta:{lv}"]]) for lv in levels}, {a: float(c[cols[a]]) for a in steps},
+                     gamma_us_per_byte, points=len(rows))
+    rel = [abs(model.predict_us(q.algorithm, q.hosts, q.per_host, q.nbytes) - q.time_us) / q.time_us for q, _ in rows]
+    model.median_rel_err, model.max_rel_err = float(np.median(rel)), float(max(rel))
+    return model
+
+
+def load_points(paths: list[str]) -> tuple[list[Point], float]:
+    """Points of several bench JSONs and the γ they measured (the median)."""
+    pts, gammas = [], []
+    for path in paths:
+        with open(path) as f:
+            doc = json.load(f)
+        pts += layout_points(doc, os.path.basename(path))
+        if doc["env"].get("gamma_us_per_byte"):
+            gammas.append(doc["env"]["gamma_us_per_byte"])
+    if not pts:
+        raise ValueError(f"no usable points in {paths}")
+    return pts, float(np.median(gammas)) if gammas else 0.0
+
+
+def holdout(points: list[Point], gamma: float) -> dict:
+    """Fit on every other size, predict the sizes left out; and fit without each layout
+    across hosts whose levels the others still cover, predict that layout. Errors are relative, per
+    (layout, algorithm): what the model is worth where it was not fitted."""
+    out = {"sizes": {}, "layouts": {}}
+    sizes = sorted({q.nbytes for q in points})
+    train = set(sizes[::2])
+    m = fit_levels([q for q in points if q.nbytes in train], gamma)
+    out["sizes"] = _errors(m, [q for q in points if q.nbytes not in train])
+    for lay in sorted({q.layout for q in points if q.hosts > 1}):  # across hosts: composed from the others
+        rest = [q for q in points if q.layout != lay]
+        try:
+            m = fit_levels(rest, gamma)
+        except ValueError:
+            continue
+        errs = _errors(m, [q for q in points if q.layout == lay])
+        if errs:
+            out["layouts"][lay] = errs
+    return out
+
+
+def _errors(model: TwoLevel, points: list[Point]) -> dict:
+    by: dict[str, list[float]] = {}
+    for q in points:
+        t = model.predict_us(q.algorithm, q.hosts, q.per_host, q.nbytes)
+        if t is not None:
+            by.setdefault(f"{q.layout} {q.algorithm}", []).append((t - q.time_us) / q.time_us)
+    return {k: {"median_rel_err": float(np.median(np.abs(v))), "max_rel_err": float(np.max(np.abs(v))),
+                "worst_signed": float(v[int(np.argmax(np.abs(v)))]), "points": len(v)} for k, v in sorted(by.items())}
+
+
+def parse_topology(text: str) -> tuple[int, int]:
+    try:
+        h, k = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"not a topology: {text!r} (HOSTSxRANKS, e.g. 64x8)") from None
+    if h < 1 or k < 1:
+        raise ValueError(f"not a topology: {text!r}")
+    return h, k
+
+
+def winners(model: TwoLevel, hosts: int, per_host: int, names: list[str], lo: float, hi: float) -> list[tuple]:
+    """[(from_bytes, to_bytes, algorithm)]: the predicted fastest over [lo, hi], each
+    crossover located by bisection on the log of the size (to 0.5 %)."""
+    def best(n):
+        ts = {a: model.predict_us(a, hosts, per_host, n) for a in names}
+        ts = {a: t for a, t in ts.items() if t is not None}
+        return min(ts, key=lambda a: (ts[a], names.index(a))) if ts else None
+
+    grid = np.geomspace(lo, hi, 200)
+    out, start, cur = [], lo, best(lo)
+    for a, b in zip(grid, grid[1:]):
+        wb = best(b)
+        if wb == cur:
+            continue
+        x, y = a, b
+        while y / x > 1.005:
+            m = math.sqrt(x * y)
+            x, y = (m, y) if best(m) == cur else (x, m)
+        out.append((start, y, cur))
+        start, cur = y, wb
+    out.append((start, hi, cur))
+    return out
+
+
+def _link_spec(text: str) -> tuple[float, float | None]:
+    rate, _, lat = text.partition(":")
+    return parse_rate_gbps(rate), parse_duration_us(lat) if lat else None
+
+
+def two_level_main(args) -> int:
+    paths = args.fit or args.intra
+    with open(paths[0]) as f:
+        first = json.load(f)
+    if len(paths) == 1 and "beta_us_per_byte" in first:  # a fit saved with --save
+        model, points = TwoLevel.from_json(first), []
+    else:
+        points, gamma = load_points(paths)
+        model = fit_levels(points, gamma)
+    out = {"fit": model.to_json(), "sources": paths}
+    print(f"# two-level fit: {model.points} points from {len(paths)} file(s); "
+          f"fit error median {model.median_rel_err * 100:.1f}%, max {model.max_rel_err * 100:.1f}%")
+    print(f"# gamma {model.gamma_us_per_byte * 1e3:.4f} ns/B (measured);  per level: 1/beta in GB/s, "
+          f"then each implementation's alpha (us per step)")
+    for lv, b in sorted(model.beta_us_per_byte.items()):
+        steps = {k.split("@")[0]: a for k, a in model.alpha_us.items() if k.endswith("@" + lv)}
+        print(f"  {lv:>5} {1e-3 / b if b else math.inf:9.3f} GB/s   "
+              + "  ".join(f"{by} {a:.1f}" for by, a in sorted(steps.items())))
+    if points:
+        by_layout: dict[str, int] = {}
+        for q in points:
+            by_layout[q.layout] = by_layout.get(q.layout, 0) + 1
+        print("# layouts (hosts x ranks per host): " + ", ".join(f"{k} ({v} points)" for k, v in by_layout.items()))
+    if args.holdout and points:
+        h = out["holdout"] = holdout(points, model.gamma_us_per_byte)
+        for what, title in (("sizes", "fitted on every other size, tested on the others"),
+                            ("layouts", "fitted without the layout, tested on it")):
+            print(f"# hold-out ({title}):")
+            rows = h[what] if what == "sizes" else {k: v for errs in h[what].values() for k, v in errs.items()}
+            for key, e in rows.items():
+                print(f"  {key:>18}  median {e['median_rel_err'] * 100:5.1f}%  max {e['max_rel_err'] * 100:5.1f}% "
+                      f"(worst {e['worst_signed'] * 100:+.0f}%, {e['points']} sizes)")
+    if args.topology:
+        if args.inter not in (None, "fit"):
+            model = model.with_link(*_link_spec(args.inter))
+        if "link" not in model.beta_us_per_byte:
+            raise SystemExit("no link level: fit runs across hosts, or give --inter RATE[:LATENCY]")
+        print(f"# host link: {8e-3 / model.beta_us_per_byte['link']:.3g} Gbit/s each way "
+              f"({'--inter ' + args.inter if args.inter not in (None, 'fit') else 'as fitted'}); "
+              f"on each host: the levels as fitted")
+        lo, hi = parse_bytes(args.min_bytes), parse_bytes(args.max_bytes)
+        sizes = [lo << 2 * i for i in range(64) if lo << 2 * i <= hi]
+        out["topologies"] = {}
+        for topo in args.topology.split(","):
+            hosts, k = parse_topology(topo)
+            names = [a for a in algorithms.names() if model.predict_us(a, hosts, k, lo) is not None]
+            left = [a for a in algorithms.names() if a not in names and a != "auto"]
+            print(f"# {hosts} hosts x {k} ranks ({hosts * k} ranks): predicted time per all-reduce, us")
+            print(f"  {'bytes':>8} " + " ".join(f"{a:>11}" for a in names) + "   fastest")
+            rows = []
+            for n in sizes:
+                ts = {a: model.predict_us(a, hosts, k, n) for a in names}
+                rows.append({"bytes": n, "time_us": ts})
+                print(f"  {format_bytes(n):>8} " + " ".join(f"{ts[a]:11.1f}" for a in names)
+                      + f"   {min(ts, key=lambda a: (ts[a], names.index(a)))}")
+            spans = winners(model, hosts, k, names, lo, hi)
+            print("  fastest: " + ";  ".join(f"{approx_bytes(a)}-{approx_bytes(b)} {w}" for a, b, w in spans))
+            if left:
+                print(f"  not modelled on this layout: {', '.join(left)} (no derived schedule across hosts)")
+            out["topologies"][topo] = {"rows": rows, "fastest": [{"from": a, "to": b, "algorithm": w}
+                                                                 for a, b, w in spans]}
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(model.to_json(), f, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m commlab.costmodel", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--from", dest="source", required=True, help="JSON written by commlab.allreduce_bench --json")
+    ap.add_argument("--from", dest="source", help="one level: JSON written by commlab.allreduce_bench --json")
+    ap.add_argument("--fit", nargs="+", help="two levels: bench JSONs of several host layouts (their env.hosts)")
+    ap.add_argument("--intra", nargs="+",
+                    help="two levels: what --fit takes, or a fit saved with --save, for the levels on each host")
+    ap.add_argument("--topology", help="two levels: HOSTSxRANKS[,...] to predict, e.g. 64x8,512x8")
+    ap.add_argument("--inter", help="two levels: the host link, RATE[:LATENCY] (100gbit:5us), or fit (default)")
+    ap.add_argument("--min-bytes", default="4K")
+    ap.add_argument("--max-bytes", default="1G")
+    ap.add_argument("--save", help="two levels: write the fit here (for --intra)")
     ap.add_argument("--ranks", default="8,64,512", help="world sizes to predict for")
     ap.add_argument("--bytes", default="100M", help="message sizes to predict for (comma list; 4K, 1M, 1G)")
     ap.add_argument("--holdout", action="store_true",
                     help="fit on every other size and report the error on the sizes left out")
     ap.add_argument("--json", help="write fits and predictions here")
     args = ap.parse_args(argv)
+    if args.fit or args.intra:
+        try:
+            return two_level_main(args)
+        except ValueError as e:
+            ap.error(str(e))
+    if not args.source:
+        ap.error("give --from (one level) or --fit/--intra (two levels)")
     with open(args.source) as f:
         doc = json.load(f)
     pts = points_from_results(doc)
