@@ -31,7 +31,7 @@ def test_bench_cli_spawn_json(tmp_path, op, dtype):
                  "-n", "3", "-w", "1", "-o", op, "-d", dtype, "--json", str(out), "--csv", str(csv)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["env"]["world_size"] == 3 and doc["env"]["backend"] == "gloo" and doc["env"]["hosts"] == [3]
+    assert doc["env"]["world_size"] == 3 and doc["env"]["backend"] == "gloo" and doc["env"]["ranks_per_host"] == [3]
     algs = commlab.algorithms.for_device("cpu")
     assert {r["algorithm"] for r in doc["results"]} == set(algs)
     assert len(doc["results"]) == 3 * len(algs)  # 8, 256, 8K bytes

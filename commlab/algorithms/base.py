@@ -35,13 +35,16 @@ class Stage:
     (shared memory on a host), `host` (point-to-point between ranks of one host) and
     `link` (the host link; `bytes` are those crossing one host's link in one direction,
     every rank of the host that sends across at once counted). `by`: the implementation
-    that runs it (its per-step software cost is its own; bytes cost the level's)."""
+    that runs it (its per-step software cost is its own; bytes cost the level's).
+    `rank_bytes`: what one rank sends in the stage, when not `bytes` (a link stage that
+    several ranks of a host cross at once): each rank's own socket copies cost CPU."""
 
     level: str
     steps: float
     bytes: float
     reduced: float
     by: str
+    rank_bytes: float | None = None
 
 
 @dataclass(frozen=True)

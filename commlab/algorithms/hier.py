@@ -72,7 +72,7 @@ class Hierarchical(Algorithm):
         if inter is None:
             return None
         # The k shards cross each host's link at once, one per local index.
-        return intra + [replace(s, bytes=s.bytes * k) if s.level == "link" else s for s in inter]
+        return intra + [replace(s, bytes=s.bytes * k, rank_bytes=s.bytes) if s.level == "link" else s for s in inter]
 
     def unsupported(self, tensor, op, info):
         return shm.unsupported(info)

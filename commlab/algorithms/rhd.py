@@ -36,7 +36,8 @@ class HalvingDoubling(Algorithm):
         near = 1 - 1 / per_host
         far = (1 - 1 / hosts) / per_host
         return [Stage("host", 2 * pow2.log2(per_host), 2 * near * nbytes, near * nbytes, self.name),
-                Stage("link", 2 * pow2.log2(hosts), 2 * per_host * far * nbytes, far * nbytes, self.name)]
+                Stage("link", 2 * pow2.log2(hosts), 2 * per_host * far * nbytes, far * nbytes, self.name,
+                      rank_bytes=2 * far * nbytes)]
 
     def run(self, buf, op, ctx):
         scratch = torch.empty_like(buf)

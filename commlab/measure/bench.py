@@ -74,13 +74,13 @@ def run_bench(args) -> dict | None:
     rows += anchors
     sizes = size_list(args)
     env = envinfo.collect(device)
-    env["hosts"] = host_layout()
+    env["ranks_per_host"], env["machine_ranks"] = host_layout()
+    env["cores"] = len(os.sched_getaffinity(0))
     env["gamma_us_per_byte"] = costmodel.measure_gamma_us_per_byte(dtype, device)
     if device.type == "cpu" and any(algorithms.get(r.name).memory_traffic(p, 1 << 20) is not None
                                     for r in rows if r.name in algorithms.names()):
         # Memory-bound transports get a floor: the bandwidth every rank gets with all
         # ranks streaming at once, at each size's working set and at a cache-sized one.
-        env["cores"] = len(os.sched_getaffinity(0))
         env["group_bandwidth_gbps"] = {str(n): costmodel.measure_group_bandwidth_gbps(n)
                                        for n in sizes if n >= FLOOR_MIN_BYTES}
         env["group_bandwidth_fast_gbps"] = costmodel.measure_group_bandwidth_gbps(costmodel.FAST_WORKING_SET)
@@ -133,17 +133,19 @@ def run_bench(args) -> dict | None:
     return doc if rank == 0 else None
 
 
-def host_layout() -> list[int]:
+def host_layout() -> tuple[list[int], int]:
     """Collective: ranks on each host, hosts in order of their lowest rank (the
-    identity shm and hier group by), for the two-level cost model and tuning."""
+    identity shm and hier group by), for the two-level cost model and tuning; and the
+    most ranks sharing one machine's cores (emulated hosts share them)."""
     ids = gather(groups.resolve(None), host_id(), "bench", "grouping ranks by host")
-    return [ids.count(h) for h in dict.fromkeys(ids)]
+    machines = ["/".join(h.split("/")[:2]) for h in ids]  # hostname and boot: one kernel, one set of cores
+    return [ids.count(h) for h in dict.fromkeys(ids)], max(machines.count(m) for m in machines)
 
 
 def tuning_entry(args, doc: dict, device, names: list[str]) -> dict:
     """This run's winners per size range for `auto`, for its layout."""
     env = doc["env"]
-    return {"device": device.type, "world_size": dist.get_world_size(), "hosts": len(env["hosts"]),
+    return {"device": device.type, "world_size": dist.get_world_size(), "hosts": len(env["ranks_per_host"]),
             "ranges": tuning.winners(doc["results"], [n for n in names if n != "auto"]),
             "measured": {"command": "python -m commlab.allreduce_bench " + " ".join(getattr(args, "argv", [])),
                          "timing": env["timing"], "dtype": str(DTYPES[args.datatype]).replace("torch.", ""),

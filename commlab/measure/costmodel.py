@@ -262,6 +262,7 @@ class Point:
     nbytes: float
     time_us: float
     source: str = ""
+    share: float = 1.0  # ranks per core on the machine, at least 1: CPU-bound terms stretch by it
 
     @property
     def layout(self) -> str:
@@ -281,15 +282,25 @@ class TwoLevel:
     max_rel_err: float = 0.0
     points: int = 0
 
-    def predict_us(self, algorithm: str, hosts: int, per_host: int, nbytes: float) -> float | None:
+    def predict_us(self, algorithm: str, hosts: int, per_host: int, nbytes: float, share: float = 1.0) -> float | None:
         """None where the algorithm has no derived schedule for the layout or the model
-        lacks one of its levels or step costs."""
+        lacks one of its levels or step costs. `share`: ranks per core on each machine
+        (at least 1), which stretches the CPU's work: steps, reductions, bytes on a host.
+        A link stage takes the longer of the wire and each rank's own socket copies
+        (bytes at the in-host rate: both are the kernel's TCP path)."""
         st = algorithms.get(algorithm).stages(hosts, per_host, nbytes)
         if st is None or any(s.level not in self.beta_us_per_byte or f"{s.by}@{s.level}" not in self.alpha_us
                              for s in st):
             return None
-        return sum(s.steps * self.alpha_us[f"{s.by}@{s.level}"] + s.bytes * self.beta_us_per_byte[s.level]
-                   + s.reduced * self.gamma_us_per_byte for s in st)
+        beta, t = self.beta_us_per_byte, 0.0
+        for s in st:
+            t += (s.steps * self.alpha_us[f"{s.by}@{s.level}"] + s.reduced * self.gamma_us_per_byte) * share
+            if s.level == "link":
+                cpu = (s.bytes if s.rank_bytes is None else s.rank_bytes) * beta.get("host", 0.0) * share
+                t += max(s.bytes * beta["link"], cpu)
+            else:
+                t += s.bytes * beta[s.level] * share
+        return t
 
     def with_link(self, rate_gbps: float, latency_us: float | None) -> "TwoLevel":
         """The same model on another host link: β from its rate; each implementation's
@@ -314,16 +325,17 @@ class TwoLevel:
 
 
 def layout_points(doc: dict, source: str = "") -> list[Point]:
-    """A bench JSON's times (each row's median call) with its host layout (env["hosts"]:
+    """A bench JSON's times (each row's median call) with its host layout (env["ranks_per_host"]:
     ranks per host; runs without it were on one host). Layouts with unequal hosts and
     rows that are not a registered algorithm (anchors, builtin@commlab) are left out."""
     env = doc["env"]
-    per_host = env.get("hosts") or [int(env["world_size"])]
+    per_host = env.get("ranks_per_host") or [int(env["world_size"])]
     if len(set(per_host)) != 1:
         return []
     known = set(algorithms.names())
+    share = max(1.0, env.get("machine_ranks", per_host[0]) / env["cores"]) if env.get("cores") else 1.0
     return [Point(r["algorithm"], len(per_host), per_host[0], float(r["bytes"]), float(r.get("p50_us", r["time_us"])),
-                  source)
+                  source, share)
             for r in doc["results"] if r["algorithm"] in known and r["time_us"] > 0 and r.get("wrong", 0) <= 0]
 
 
@@ -331,7 +343,8 @@ def fit_levels(points: list[Point], gamma_us_per_byte: float) -> TwoLevel:
     """Non-negative least squares on relative error over every point at once, so each
     level's β is shared by every algorithm and layout; γ as measured (one element-wise
     reduction on this machine), so that bytes sent and bytes reduced, proportional in
-    most algorithms, do not trade off against each other."""
+    most algorithms, do not trade off against each other. Link stages are fitted on
+    their wire term (runs over a slow link, where it is the longer)."""
     from scipy.optimize import nnls
 
     rows = [(q, st) for q in points if (st := algorithms.get(q.algorithm).stages(q.hosts, q.per_host, q.nbytes))]
@@ -342,18 +355,19 @@ def fit_levels(points: list[Point], gamma_us_per_byte: float) -> TwoLevel:
         raise ValueError(f"too few points ({len(rows)}) to fit {len(cols)} coefficients")
     X = np.zeros((len(rows), len(cols)))
     red = np.zeros(len(rows))
-    for i, (_, st) in enumerate(rows):
+    for i, (q, st) in enumerate(rows):
         for s in st:
-            X[i, cols[f"beta:{s.level}"]] += s.bytes
-            X[i, cols[f"{s.by}@{s.level}"]] += s.steps
-            red[i] += s.reduced
+            X[i, cols[f"beta:{s.level}"]] += s.bytes * (1.0 if s.level == "link" else q.share)
+            X[i, cols[f"{s.by}@{s.level}"]] += s.steps * q.share
+            red[i] += s.reduced * q.share
     t = np.array([q.time_us for q, _ in rows])
     scale = np.maximum(X.max(0), 1e-30)  # columns of bytes and of steps differ by 10^6
     c, _ = nnls(X / scale / t[:, None], (t - gamma_us_per_byte * red) / t, maxiter=50 * len(cols))
     c = c / scale
     model = TwoLevel({lv: float(c[cols[f"beta:{lv}"]]) for lv in levels}, {a: float(c[cols[a]]) for a in steps},
                      gamma_us_per_byte, points=len(rows))
-    rel = [abs(model.predict_us(q.algorithm, q.hosts, q.per_host, q.nbytes) - q.time_us) / q.time_us for q, _ in rows]
+    rel = [abs(model.predict_us(q.algorithm, q.hosts, q.per_host, q.nbytes, q.share) - q.time_us) / q.time_us
+           for q, _ in rows]
     model.median_rel_err, model.max_rel_err = float(np.median(rel)), float(max(rel))
     return model
 
@@ -396,7 +410,7 @@ def holdout(points: list[Point], gamma: float) -> dict:
 def _errors(model: TwoLevel, points: list[Point]) -> dict:
     by: dict[str, list[float]] = {}
     for q in points:
-        t = model.predict_us(q.algorithm, q.hosts, q.per_host, q.nbytes)
+        t = model.predict_us(q.algorithm, q.hosts, q.per_host, q.nbytes, q.share)
         if t is not None:
             by.setdefault(f"{q.layout} {q.algorithm}", []).append((t - q.time_us) / q.time_us)
     return {k: {"median_rel_err": float(np.median(np.abs(v))), "max_rel_err": float(np.max(np.abs(v))),
@@ -413,11 +427,12 @@ def parse_topology(text: str) -> tuple[int, int]:
     return h, k
 
 
-def winners(model: TwoLevel, hosts: int, per_host: int, names: list[str], lo: float, hi: float) -> list[tuple]:
+def winners(model: TwoLevel, hosts: int, per_host: int, names: list[str], lo: float, hi: float,
+            share: float = 1.0) -> list[tuple]:
     """[(from_bytes, to_bytes, algorithm)]: the predicted fastest over [lo, hi], each
     crossover located by bisection on the log of the size (to 0.5 %)."""
     def best(n):
-        ts = {a: model.predict_us(a, hosts, per_host, n) for a in names}
+        ts = {a: model.predict_us(a, hosts, per_host, n, share) for a in names}
         ts = {a: t for a, t in ts.items() if t is not None}
         return min(ts, key=lambda a: (ts[a], names.index(a))) if ts else None
 
@@ -450,6 +465,7 @@ def two_level_main(args) -> int:
         model, points = TwoLevel.from_json(first), []
     else:
         points, gamma = load_points(paths)
+        points = [q for q in points if q.nbytes >= parse_bytes(args.fit_min_bytes)]
         model = fit_levels(points, gamma)
     out = {"fit": model.to_json(), "sources": paths}
     print(f"# two-level fit: {model.points} points from {len(paths)} file(s); "
@@ -487,17 +503,19 @@ def two_level_main(args) -> int:
         out["topologies"] = {}
         for topo in args.topology.split(","):
             hosts, k = parse_topology(topo)
+            share = max(1.0, k / args.cores) if args.cores else 1.0
             names = [a for a in algorithms.names() if model.predict_us(a, hosts, k, lo) is not None]
             left = [a for a in algorithms.names() if a not in names and a != "auto"]
-            print(f"# {hosts} hosts x {k} ranks ({hosts * k} ranks): predicted time per all-reduce, us")
+            print(f"# {hosts} hosts x {k} ranks ({hosts * k} ranks"
+                  + (f", {args.cores} cores per host" if args.cores else "") + "): predicted time per all-reduce, us")
             print(f"  {'bytes':>8} " + " ".join(f"{a:>11}" for a in names) + "   fastest")
             rows = []
             for n in sizes:
-                ts = {a: model.predict_us(a, hosts, k, n) for a in names}
+                ts = {a: model.predict_us(a, hosts, k, n, share) for a in names}
                 rows.append({"bytes": n, "time_us": ts})
                 print(f"  {format_bytes(n):>8} " + " ".join(f"{ts[a]:11.1f}" for a in names)
                       + f"   {min(ts, key=lambda a: (ts[a], names.index(a)))}")
-            spans = winners(model, hosts, k, names, lo, hi)
+            spans = winners(model, hosts, k, names, lo, hi, share)
             print("  fastest: " + ";  ".join(f"{approx_bytes(a)}-{approx_bytes(b)} {w}" for a, b, w in spans))
             if left:
                 print(f"  not modelled on this layout: {', '.join(left)} (no derived schedule across hosts)")
@@ -516,11 +534,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m commlab.costmodel", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--from", dest="source", help="one level: JSON written by commlab.allreduce_bench --json")
-    ap.add_argument("--fit", nargs="+", help="two levels: bench JSONs of several host layouts (their env.hosts)")
+    ap.add_argument("--fit", nargs="+", help="two levels: bench JSONs of several host layouts (their env.ranks_per_host)")
     ap.add_argument("--intra", nargs="+",
                     help="two levels: what --fit takes, or a fit saved with --save, for the levels on each host")
     ap.add_argument("--topology", help="two levels: HOSTSxRANKS[,...] to predict, e.g. 64x8,512x8")
     ap.add_argument("--inter", help="two levels: the host link, RATE[:LATENCY] (100gbit:5us), or fit (default)")
+    ap.add_argument("--cores", type=int, help="two levels: cores per host for --topology (default: one per rank)")
+    ap.add_argument("--fit-min-bytes", default="0",
+                    help="two levels: fit sizes from here (on a time-shared box small calls measure its scheduler)")
     ap.add_argument("--min-bytes", default="4K")
     ap.add_argument("--max-bytes", default="1G")
     ap.add_argument("--save", help="two levels: write the fit here (for --intra)")
