@@ -99,6 +99,7 @@ setup(
     name="commlab",
     version=VERSION,
     packages=find_packages(include=["commlab", "commlab.*"]),
+    package_data={"commlab.training.predict": ["profiles/*.json"]},  # hardware profiles: data, not code
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (issues #3, #6, #13, #19), for a machine with one NVIDIA GPU:
+# The one prepared GPU check (issues #3, #6, #13, #18, #19), for a machine with one NVIDIA GPU:
 #   scripts/gpu_check.sh [PART ...]      PARTs: build tests bench probe compare (default: all)
 # Results land in $OUT (the device tool's folder) or /tmp/commlab-gpu-check. All parts
 # take about 6-8 minutes on an H100/H200; the device tool allows 10 minutes a command,
@@ -57,8 +57,10 @@ want probe && step p2p_shared_gpu_probe 60 env COMMLAB_IPC_PATH=peer python3 -m 
   --world-size 2 --algorithms ipc -b 4K -e 1M -f 16 --timeout 20 --budget 0.1 --rounds 1 --quiet
 status=$before  # the probe's outcome is reported, not judged
 
+# Measured beside commlab.predict's columns for this GPU (issue #18): the roofline's
+# compute against the real kernels.
 want compare && step compare_1gpu 150 python3 -m commlab.compare --device cuda --gpus 1 --world-size 1 --modes dp,ddp,ddp:noop \
-  --model resnet50 --batch-size 64 --iters 10 --warmup 3
+  --model resnet50 --batch-size 64 --iters 10 --warmup 3 --predict h200-sxm-nvlink
 want compare && step compare_share 120 python3 -m commlab.compare --device cuda --share-gpu --world-size 2 --modes ddp,ddp:ipc,ddp:ring,ddp:noop \
   --model transformer --batch-size 32 --iters 8 --warmup 2
 cat "$OUTDIR/summary.txt" 2>/dev/null

@@ -11,7 +11,7 @@ MODE_KEYS = {"mode", "status", "reason", "iter_ms", "samples_per_s", "peak_memor
              "grad_sync_ms", "final_loss"}
 
 
-@pytest.mark.parametrize("extra", [[], ["--accum-steps", "2", "--amp", "bf16", "--checkpoint"]])
+@pytest.mark.parametrize("extra", [["--predict", "this-host"], ["--accum-steps", "2", "--amp", "bf16", "--checkpoint"]])
 def test_compare_cpu_modes(tmp_path, extra):
     out = tmp_path / "c.json"
     cmd = [sys.executable, "-m", "commlab.compare", "--device", "cpu", "--world-size", "2",
@@ -21,7 +21,20 @@ def test_compare_cpu_modes(tmp_path, extra):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())
-    modes = {m["mode"]: m for m in doc["modes"]}
+    modes = {m["mode"]: m for m in doc["modes"] if not m.get("predicted")}
+    if "--predict" in extra:  # commlab.predict's columns beside the measured, same mode names
+        pred = {m["mode"]: m for m in doc["modes"] if m.get("predicted")}
+        assert set(pred) == {"dp", "ddp", "ddp:ring", "ddp:shm", "ddp:noop", "ddp:nope"}, pred
+        assert pred["dp"]["status"] == pred["ddp:nope"]["status"] == "unavailable"
+        for name in ("ddp", "ddp:ring", "ddp:shm", "ddp:noop"):
+            assert MODE_KEYS <= set(pred[name]) and pred[name]["status"] == "ok", pred[name]
+        # this-host's compute is the measured compute-only step; communication adds to it.
+        assert pred["ddp:noop"]["iter_ms"]["median"] == pytest.approx(modes["ddp:noop"]["iter_ms"]["median"])
+        assert modes["ddp:noop"]["arrival_skew_ms"] >= 0
+        for name in ("ddp", "ddp:ring", "ddp:shm"):
+            assert pred[name]["iter_ms"]["median"] > pred["ddp:noop"]["iter_ms"]["median"]
+            assert pred[name]["grad_sync_ms"]["total"] > 0
+        assert "ddp:shm (pred)" in proc.stdout
     assert modes["dp"]["status"] == "unavailable" and "CUDA" in modes["dp"]["reason"]
     assert modes["ddp:nope"]["status"] == "unavailable"
     for name in ("ddp", "ddp:ring", "ddp:shm", "ddp:noop", "ddp@commlab"):

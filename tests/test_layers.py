@@ -8,7 +8,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "commlab"
 # Top to bottom; a module may import its own layer and the ones below it.
 LAYERS = [
     ("entry points", ["commlab.allreduce_bench", "commlab.compare", "commlab.advise", "commlab.doctor",
-                      "commlab.costmodel", "commlab.hooks"]),
+                      "commlab.costmodel", "commlab.hooks", "commlab.predict"]),
     ("tools", ["commlab.training", "commlab.measure", "commlab.diagnostics"]),
     ("the contract of a call", ["commlab.core.api", "commlab.core.lanes", "commlab.core.backend", "commlab"]),  # the package: the API
     ("algorithms", ["commlab.algorithms"]),

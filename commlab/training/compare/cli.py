@@ -72,6 +72,7 @@ def run_ddp_mode(mode: str, world: int, args: dict) -> dict:
         "util_percent": [r["util"] for r in res],
         "grad_sync_ms": {"total": max(r["sync_total"] for r in res), "exposed": max(r["sync_exposed"] for r in res)},
         "final_loss": res[0]["loss"],
+        **({"arrival_skew_ms": res[0]["arrival_skew_ms"]} if res[0].get("arrival_skew_ms") is not None else {}),
     }
 
 
@@ -94,6 +95,47 @@ def run_mode(mode: str, world: int, args: dict) -> dict:
         return run_ddp_mode(mode, world, args)
     return {"mode": mode, "status": "unavailable",
             "reason": f"no such mode for {device} (modes: {', '.join(all_modes(device))})"}
+
+
+def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, world: int) -> list[dict]:
+    """commlab.predict's rows for the measured modes' setup, each with the same mode
+    name and "predicted": true."""
+    from commlab.training.predict import model as M
+
+    s = M.Setup(model=args["model"], world=world, batch_size=args["batch_size"], bucket_cap_mb=args["bucket_cap_mb"],
+                amp=args["amp"], checkpoint=args["checkpoint"], width=args["width"], depth=args["depth"])
+    wanted = [m for m in modes if m == "dp" or m == "ddp" or m.startswith("ddp:")]
+    if profile == "this-host":
+        noop = next((m for m in measured if m["mode"] == "ddp:noop" and m["status"] == "ok"), None)
+        if noop is None:
+            return [{"mode": m, "status": "unavailable", "predicted": True,
+                     "reason": "this-host needs the measured compute-only step (ddp:noop), which failed"} for m in wanted]
+        bench = host_bench(world, ["builtin"] + [m[4:] for m in wanted if m[4:] in algorithms.for_device("cpu")])
+        import os
+
+        prof = M.this_host(bench, noop["iter_ms"]["median"], world, len(os.sched_getaffinity(0)),
+                           noop.get("arrival_skew_ms", 0.0))
+    else:
+        prof = M.load_profile(profile)
+    return M.predict(wanted, s, prof)
+
+
+def host_bench(world: int, names: list[str]) -> dict:
+    """A short all-reduce bench of these algorithms at this world size (what this-host
+    is fitted to): 64 KiB to 32 MiB, DDP's bucket sizes."""
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "bench.json")
+        cmd = [sys.executable, "-m", "commlab.allreduce_bench", "--world-size", str(world), "--algorithms",
+               ",".join(dict.fromkeys(names)), "-b", "64K", "-e", "32M", "-f", "4", "--anchors", "none",
+               "--budget", "0.1", "--rounds", "1", "--quiet", "--json", out]
+        print(f"# predicting this-host: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=600)
+        with open(out) as f:
+            return json.load(f)
 
 
 def main(argv=None) -> int:
@@ -127,6 +169,8 @@ def main(argv=None) -> int:
                     help="memory per device as if the card had this much (GPU: allocator cap, real OOM; "
                          "CPU: emulated on what training adds to each rank's peak RSS)")
     ap.add_argument("--share-gpu", action="store_true", help="several DDP processes on one GPU over gloo (functional check)")
+    ap.add_argument("--predict", help="a hardware profile (commlab.predict's, or this-host: fitted to a bench run on "
+                    "this machine and the measured ddp:noop): its predicted column beside each measured mode")
     ap.add_argument("--json"), ap.add_argument("--plot")
     a = ap.parse_args(argv)
     args = vars(a)
@@ -145,6 +189,8 @@ def main(argv=None) -> int:
         if problem:
             ap.error(problem + " (or pass --share-gpu for a functional check over gloo)")
     modes = all_modes(a.device) if a.modes == "all" else (a.modes.split(",") if a.modes else default_modes(a.device))
+    if a.predict == "this-host" and "ddp:noop" not in modes:
+        modes.append("ddp:noop")  # this host's compute is measured, not read off a datasheet
     env = envinfo.collect(torch.device("cpu"))
     env.update(world_size=world, device=a.device, model=args["model"], batch_size=a.batch_size,
                bucket_cap_mb=caps if len(caps) > 1 else caps[0], mem_limit_mb=a.mem_limit_mb, amp=a.amp,
@@ -166,6 +212,8 @@ def main(argv=None) -> int:
             if a.find_max_batch and res["status"] in ("ok", "oom"):
                 res["max_batch"], res["max_batch_probes"] = search.find_max_batch(mode, world, margs, run_mode)
             results.append(res)
+    if a.predict:
+        results += predicted(a.predict, modes, results, args, world)
     doc = {"env": env, "modes": results}
     print("\n".join(envinfo.header_lines(env)))
     print()

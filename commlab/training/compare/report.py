@@ -45,8 +45,13 @@ def fmt_list(vals, fmt="{:.0f}"):
 def table(doc: dict) -> str:
     modes = doc["modes"]
     ok = [m for m in modes if m["status"] == "ok"]
-    base = next((m for m in ok if m["mode"] == "dp"), next((m for m in ok if m["mode"] == "ddp"), None))
-    cols = [m.get("label", m["mode"]) for m in modes]
+
+    def base_of(m):  # predicted columns against the predicted base, measured against the measured
+        same = [b for b in ok if bool(b.get("predicted")) == bool(m.get("predicted"))]
+        return next((b for b in same if b["mode"] == "dp"), next((b for b in same if b["mode"] == "ddp"), None))
+
+    base = next((base_of(m) for m in modes if base_of(m)), None)
+    cols = [m.get("label", m["mode"]) + (" (pred)" if m.get("predicted") else "") for m in modes]
     rows = []
 
     def row(name, f):
@@ -59,12 +64,13 @@ def table(doc: dict) -> str:
     row("iteration p90 (ms)", lambda m: f"{m['iter_ms']['p90']:.1f}")
     row("throughput (samples/s)", lambda m: f"{m['samples_per_s']:.1f}")
     if base is not None:
-        row(f"speed vs {base['mode']}", lambda m: f"{base['iter_ms']['median'] / m['iter_ms']['median']:.2f}x")
+        row(f"speed vs {base['mode']}", lambda m: f"{base_of(m)['iter_ms']['median'] / m['iter_ms']['median']:.2f}x"
+            if base_of(m) else "-")
     row("peak memory (MB) per rank/device", lambda m: fmt_list(m["peak_memory_mb"]))
     row(UTILIZATION_ROW[doc["env"].get("device", "cpu")], lambda m: fmt_list(m["util_percent"]))
     row("grad sync total (ms)", lambda m: "-" if m["grad_sync_ms"]["total"] is None else f"{m['grad_sync_ms']['total']:.1f}")
     row("grad sync exposed (ms)", lambda m: "-" if m["grad_sync_ms"]["exposed"] is None else f"{m['grad_sync_ms']['exposed']:.1f}")
-    row("final loss", lambda m: f"{m['final_loss']:.5f}")
+    row("final loss", lambda m: "-" if m.get("final_loss") is None else f"{m['final_loss']:.5f}")
     if any("max_batch" in m for m in modes):
         rows.append("| max batch before OOM | " + " | ".join(
             "-" if "max_batch" not in m else (str(m["max_batch"]) if m["max_batch"] else "none found")

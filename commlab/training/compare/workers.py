@@ -32,6 +32,27 @@ def timed_default_hook(stats, bucket):
     return fut.then(done)
 
 
+def arrival_hook(log, bucket):
+    """ddp:noop's hook: no communication, each bucket's arrival noted from the start of
+    its rank's iteration (without a collective the ranks drift apart freely, so their
+    clocks are not compared; a synchronising DDP starts them together)."""
+    log["times"].append((log["iteration"], bucket.index(), time.perf_counter() - log["start"]))
+    return hooks.noop_hook(None, bucket)
+
+
+def arrival_skew_ms(logs: list[list]) -> float | None:
+    """The median over iterations of how far apart, from a common start, the ranks
+    reach their first bucket: what the first to get there waits in the first
+    all-reduce, whatever that all-reduce costs."""
+    first: dict[int, list[float]] = {}
+    for log in logs:
+        for i, b, t in log:
+            if b == 0:
+                first.setdefault(i, []).append(t)
+    spreads = sorted(max(ts) - min(ts) for ts in first.values() if len(ts) == len(logs))
+    return spreads[len(spreads) // 2] * 1e3 if spreads else None
+
+
 def optimizer_step(opt, scaler) -> None:
     """One optimizer step, through the GradScaler when fp16 AMP uses one."""
     if scaler:
@@ -68,7 +89,8 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         ddp.register_comm_hook(state, timed_default_hook)
     elif mode == "ddp:noop":
         state = None
-        ddp.register_comm_hook(None, hooks.noop_hook)
+        arrivals = {"iteration": -1, "start": 0.0, "times": []}
+        ddp.register_comm_hook(arrivals, arrival_hook)
     else:
         state = hooks.CommState(mode.split(":", 1)[1])
         hooks.register(ddp, state)
@@ -116,6 +138,8 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     loss = 0.0
     for i in range(args["warmup"], args["warmup"] + args["iters"]):
         t0 = time.perf_counter()
+        if mode == "ddp:noop":
+            arrivals["iteration"], arrivals["start"] = i, t0
         loss = step(i)
         times.append(time.perf_counter() - t0)
     if sampler is not None:
@@ -141,8 +165,14 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
                                          f"--mem-limit-mb {args['mem_limit_mb']:g}")
     if isinstance(state, hooks.CommState):
         state.close()
+    skew = None
+    if mode == "ddp:noop" and not cuda:  # one clock: the ranks of one machine
+        logs = [None] * world
+        dist.all_gather_object(logs, [t for t in arrivals["times"] if t[0] >= args["warmup"]])
+        skew = arrival_skew_ms(logs)
     return {"times": slowest.cpu().tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": mem,
-            "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"]}
+            "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"],
+            "arrival_skew_ms": skew}
 
 
 def dp_process(rank: int, world: int, args: dict) -> dict:

@@ -1,0 +1,116 @@
+"""One training step of a workload, traced on meta tensors (no weights, no data, no
+device): every operation's FLOPs (torch.utils.flop_counter's formulas) and bytes moved,
+when each parameter's gradient is ready during backward, and the memory facts."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from commlab.training import workloads
+
+
+@dataclass(frozen=True)
+class Op:
+    phase: str  # fwd | bwd | opt
+    flops: float
+    bytes: float  # tensor bytes read and written
+    kind: str  # conv | mm (matrix products) | "" (element-wise and the rest)
+
+
+@dataclass
+class Step:
+    """One step at `batch` samples on one device."""
+
+    batch: int
+    ops: list[Op]
+    params: list[int]  # bytes of each parameter, in model.parameters() order
+    grad_ready: dict[int, int]  # parameter index -> number of ops done when its gradient is accumulated
+    activation_bytes: float  # saved for backward (distinct storages, parameters excluded)
+    input_bytes: float
+    output_bytes: float
+    buffers_bytes: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(self.params)
+
+    def flops(self, phase: str) -> float:
+        return sum(o.flops for o in self.ops if o.phase == phase)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[Op] = []
+        self.phase = "fwd"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if func.is_view or packet in _FREE:
+            return out
+        flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
+        moved = sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
+                    if isinstance(t, torch.Tensor))
+        kind = "conv" if "convolution" in str(packet) else ("mm" if packet in _MM else "")
+        self.ops.append(Op(self.phase, float(flops), float(moved), kind))
+        return out
+
+
+_aten = torch.ops.aten
+_FREE = {_aten.detach, _aten.empty, _aten.empty_like, _aten.zeros_like, _aten.lift_fresh, _aten._to_copy, _aten.clone}
+_MM = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.matmul}
+
+
+def trace(model_name: str, batch: int, *, width: int = 1024, depth: int = 4, checkpoint: bool = False) -> Step:
+    """One step (forward, loss, backward, SGD step as compare's) at `batch` samples, in
+    fp32 on meta (autocast does not reach meta tensors: the model applies AMP)."""
+    with torch.device("meta"):
+        w = workloads.build(model_name, width=width, depth=depth)
+        model = w.model
+        if checkpoint:
+            model = workloads.Checkpointed(model)
+    x, y = w.make_batch(batch, 0)
+    x, y = x.to("meta"), y.to("meta")
+    params = list(model.parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+    keys = {StorageWeakRef(p.untyped_storage()) for p in params}
+    saved: dict = {}
+
+    def pack(t):
+        k = StorageWeakRef(t.untyped_storage())
+        if k not in keys:
+            saved[k] = t.untyped_storage().nbytes()
+        return t
+
+    rec = _Recorder()
+    ready: dict[int, int] = {}
+
+    def accumulated(p):
+        ready.setdefault(index[id(p)], len(rec.ops))
+
+    hooks = [p.register_post_accumulate_grad_hook(accumulated) for p in params]
+    opt = torch.optim.SGD(params, lr=0.1)
+    try:
+        with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x)
+            loss = w.loss(out, y)
+            rec.phase = "bwd"
+            loss.backward()
+        rec.phase = "opt"
+        with rec:
+            opt.step()
+    finally:
+        for h in hooks:
+            h.remove()
+    return Step(batch=batch, ops=rec.ops, params=[p.numel() * p.element_size() for p in params], grad_ready=ready,
+                activation_bytes=float(sum(saved.values())), input_bytes=float(x.numel() * x.element_size()),
+                output_bytes=float(out.numel() * out.element_size()),
+                buffers_bytes=float(sum(b.numel() * b.element_size() for b in model.buffers())))

@@ -1,0 +1,277 @@
+"""The seed's table predicted: a training step's operations timed on a hardware
+profile (the larger of FLOPs at the datasheet rate and bytes at the memory bandwidth,
+per operation: a roofline, so compute is a lower bound), DDP's buckets all-reduced as
+their gradients become ready and overlapped with the rest of backward, DP's parameter-
+server traffic through device 0's one link, and memory per device from the step's own
+tensors. Every mode's row has compare's keys and "predicted": true."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from commlab import algorithms
+from commlab.training.predict.graph import Op, Step, trace
+
+PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+FIRST_BUCKET_BYTES = 1 << 20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES: DDP's first bucket is small
+
+
+@dataclass
+class Profile:
+    name: str
+    description: str
+    device: str  # cuda | cpu
+    memory_bytes: float
+    memory_bandwidth_gbps: float
+    peak_tflops: dict
+    link: dict
+    host_link_gbps: float = 0.0
+    sources: list = field(default_factory=list)
+    # this-host (CPU): what was measured instead of a datasheet
+    compute_ms: float | None = None  # one compute-only step (ddp:noop) of the model at the batch compared
+    allreduce: dict = field(default_factory=dict)  # algorithm -> {alpha_us, beta_us_per_byte, gamma_us_per_byte}
+    overlap: bool = True  # False where ranks outnumber cores: communication takes the cores backward needs
+    arrival_skew_ms: float = 0.0  # how far apart ranks reach their first bucket (ddp:noop): the first to arrive waits
+
+
+def profile_names() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(PROFILES) if f.endswith(".json"))
+
+
+def load_profile(name: str) -> Profile:
+    path = name if name.endswith(".json") else os.path.join(PROFILES, name + ".json")
+    if not os.path.exists(path):
+        raise ValueError(f"no hardware profile {name!r} (profiles: {', '.join(profile_names())}, this-host, or a file)")
+    with open(path) as f:
+        return Profile(**json.load(f))
+
+
+def this_host(bench: dict, compute_ms: float, ranks: int, cores: int, arrival_skew_ms: float = 0.0) -> Profile:
+    """This machine, measured: each algorithm's α, β, γ fitted to a bench run at the
+    world size compared, the compute-only step and how far apart the ranks reach their
+    first bucket (both from ddp:noop)."""
+    from commlab.measure import costmodel
+
+    p = int(bench["env"]["world_size"])
+    fits = costmodel.fit([(r["algorithm"], p, r["bytes"], r["time_us"]) for r in bench["results"]],
+                         bench["env"].get("gamma_us_per_byte"))
+    return Profile(name="this-host", description=f"this machine: {cores} cores, {ranks} ranks; fitted from a bench run",
+                   device="cpu", memory_bytes=0.0, memory_bandwidth_gbps=0.0, peak_tflops={}, link={},
+                   compute_ms=compute_ms, overlap=ranks < cores, arrival_skew_ms=arrival_skew_ms or 0.0,
+                   allreduce={a: {"alpha_us": f.alpha_us, "beta_us_per_byte": f.beta_us_per_byte,
+                                  "gamma_us_per_byte": f.gamma_us_per_byte} for a, f in fits.items()},
+                   sources=[{"what": "allreduce", "source": "commlab.allreduce_bench at this world size, fitted"},
+                            {"what": "compute_ms", "source": "commlab.compare's ddp:noop in the same run"}])
+
+
+@dataclass
+class Setup:
+    model: str
+    world: int
+    batch_size: int  # global
+    bucket_cap_mb: float = 25.0
+    amp: str | None = None
+    checkpoint: bool = False
+    width: int = 1024
+    depth: int = 4
+
+
+class Steps:
+    """Steps at any per-device batch from two traces (1 and 2 samples): every
+    operation's FLOPs and bytes are affine in the batch."""
+
+    def __init__(self, s: Setup):
+        kw = dict(width=s.width, depth=s.depth, checkpoint=s.checkpoint)
+        self.one, self.two = trace(s.model, 1, **kw), trace(s.model, 2, **kw)
+        if len(self.one.ops) != len(self.two.ops):
+            raise ValueError(f"{s.model}: the traced step changes shape with the batch; cannot extrapolate")
+
+    def at(self, b: int) -> Step:
+        one, two = self.one, self.two
+
+        def lin(a, c):
+            return a + (b - 1) * (c - a)
+
+        ops = [Op(o.phase, lin(o.flops, t.flops), lin(o.bytes, t.bytes), o.kind) for o, t in zip(one.ops, two.ops)]
+        return Step(batch=b, ops=ops, params=one.params, grad_ready=one.grad_ready,
+                    activation_bytes=lin(one.activation_bytes, two.activation_bytes),
+                    input_bytes=lin(one.input_bytes, two.input_bytes), output_bytes=lin(one.output_bytes, two.output_bytes),
+                    buffers_bytes=one.buffers_bytes)
+
+
+def op_times_us(step: Step, prof: Profile, amp: str | None) -> list[float]:
+    """Per operation: the roofline on a GPU profile; on this host, the measured
+    compute-only step shared out by FLOPs (its matrix products dominate)."""
+    if prof.compute_ms is not None:
+        total = sum(o.flops for o in step.ops) or 1.0
+        return [prof.compute_ms * 1e3 * o.flops / total for o in step.ops]
+    bw = prof.memory_bandwidth_gbps * 1e3  # bytes per µs
+    out = []
+    for o in step.ops:
+        if o.kind and amp:
+            rate = prof.peak_tflops[amp]
+        else:  # torch's defaults: fp32 convolutions may use TF32 (cudnn.allow_tf32), matrix products do not
+            rate = prof.peak_tflops["tf32" if o.kind == "conv" else "fp32"]
+        moved = o.bytes * (0.5 if amp and o.phase != "opt" else 1.0)  # 16-bit activations under autocast
+        out.append(max(o.flops / (rate * 1e6), moved / bw))
+    return out
+
+
+def allreduce_us(prof: Profile, algorithm: str, p: int, nbytes: float) -> float:
+    if prof.allreduce:  # fitted on this host
+        f = prof.allreduce.get(algorithm)
+        if f is None:
+            raise ValueError(f"this-host has no fit for {algorithm!r} (bench it: --algorithms ...,{algorithm})")
+        c = algorithms.get(algorithm).cost(p, nbytes)
+        return c.time(f["alpha_us"], f["beta_us_per_byte"], f["gamma_us_per_byte"])
+    link = prof.link
+    c = algorithms.get(algorithm).cost(p, nbytes)
+    gamma = 3 / (prof.memory_bandwidth_gbps * 1e3)  # a reduced byte: two reads and a write of device memory
+    return link["call_latency_us"] + c.time(link["step_latency_us"], 1 / (link["gbps"] * 1e3), gamma)
+
+
+def buckets(params: list[int], cap_mb: float, order: list[int] | None = None) -> list[list[int]]:
+    """DDP's buckets after its first iteration (the reducer rebuilds them in the order
+    gradients became ready): filled in `order` (default: reverse parameter order), a
+    bucket closed once it reaches its limit, 1 MiB for the first, bucket_cap_mb after
+    (torch's compute_bucket_assignment_by_size)."""
+    out, cur, size = [], [], 0
+    for i in (order if order is not None else reversed(range(len(params)))):
+        cur.append(i)
+        size += params[i]
+        if size >= (FIRST_BUCKET_BYTES if not out else cap_mb * 2**20):
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def ready_order(st: Step) -> list[int]:
+    return sorted(range(len(st.params)), key=lambda i: (st.grad_ready.get(i, len(st.ops)), -i))
+
+
+def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
+    p = s.world
+    b = max(1, s.batch_size // p)
+    st = steps.at(b)
+    t = op_times_us(st, prof, s.amp)
+    fwd = sum(x for x, o in zip(t, st.ops) if o.phase == "fwd")
+    bwd = sum(x for x, o in zip(t, st.ops) if o.phase == "bwd")
+    opt = sum(x for x, o in zip(t, st.ops) if o.phase == "opt")
+    done = [0.0]
+    for x in t:
+        done.append(done[-1] + x)
+    algorithm = "builtin" if mode == "ddp" else mode.split(":", 1)[1] if mode.startswith("ddp:") else None
+    total = exposed = 0.0
+    if algorithm not in (None, "noop"):
+        end = 0.0
+        for bk in buckets(st.params, s.bucket_cap_mb, ready_order(st)):
+            ready = max(done[st.grad_ready[i]] for i in bk)
+            cost = allreduce_us(prof, algorithm, p, sum(st.params[i] for i in bk))  # fp32 grads, autocast or not
+            total += cost
+            end = (max(ready, end) if prof.overlap else max(fwd + bwd, end)) + cost
+        exposed = max(0.0, end - (fwd + bwd))
+    it = fwd + bwd + exposed + opt
+    busy = 100.0 * (fwd + bwd + opt + exposed) / it
+    if total:
+        # A rank that reaches the first bucket early waits there for the last: compare
+        # reports the busiest rank's sync, so that wait is in it; the iteration (the
+        # slowest rank's) already holds it in the measured compute.
+        total += prof.arrival_skew_ms * 1e3
+        exposed += prof.arrival_skew_ms * 1e3
+    info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / 1e3,
+            "buckets": len(buckets(st.params, s.bucket_cap_mb, ready_order(st))) if total else 0,
+            "per_device_batch": b}
+    if prof.device == "cpu":  # compare reports peak RSS (interpreter and torch too) and CPU time: not modelled
+        return _row(mode, s, it, [None] * p, [None] * p, total, exposed, info)
+    mem = (2 * st.param_bytes + (st.param_bytes if algorithm not in (None, "noop") else 0)  # params, grads, buckets
+           + st.buffers_bytes + st.activation_bytes + st.input_bytes + st.output_bytes)
+    return _row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info)
+
+
+def predict_dp(s: Setup, prof: Profile, steps: Steps) -> dict:
+    if prof.device != "cuda":
+        return {"mode": "dp", "status": "unavailable", "predicted": True,
+                "reason": "nn.DataParallel replicates a module across CUDA devices; this profile has none"}
+    p = s.world
+    b = max(1, s.batch_size // p)
+    st = steps.at(b)
+    t = op_times_us(st, prof, s.amp)
+    fwd = sum(x for x, o in zip(t, st.ops) if o.phase == "fwd")
+    bwd = sum(x for x, o in zip(t, st.ops) if o.phase == "bwd")
+    opt = sum(x for x, o in zip(t, st.ops) if o.phase == "opt")
+    link = prof.link
+    per_us = link["gbps"] * 1e3
+    lat = link["call_latency_us"] + (p - 1) * link["step_latency_us"]
+    batch_in, batch_out = st.input_bytes * p, st.output_bytes * p
+    scatter = (p - 1) / p * batch_in / per_us  # device 0 sends every other device its share, over its one link
+    replicate = lat + (st.param_bytes + st.buffers_bytes) / per_us  # broadcast from device 0, every iteration
+    gather = (p - 1) / p * batch_out / per_us
+    reduce = lat + st.param_bytes / per_us + st.param_bytes * 3 / (prof.memory_bandwidth_gbps * 1e3)
+    comm = scatter + replicate + gather + reduce  # all on the compute stream: none hidden
+    it = comm + fwd + bwd + opt
+    # Every device: a replica's parameters and buffers (device 0's are the module's own), its gradients, its
+    # activations, inputs and outputs; device 0 also the leaf gradients the replicas' are reduced into, the
+    # whole batch it scatters and the outputs it gathers.
+    replica = 2 * st.param_bytes + st.buffers_bytes + st.activation_bytes + st.input_bytes + st.output_bytes
+    main = replica + st.param_bytes + batch_in + batch_out
+    busy0 = 100.0 * it / it
+    busy = 100.0 * (replicate + fwd + bwd + reduce) / it
+    return _row("dp", s, it, [main] + [replica] * (p - 1), [busy0] + [busy] * (p - 1), comm, comm,
+                {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / 1e3,
+                 "scatter_ms": scatter / 1e3, "replicate_ms": replicate / 1e3, "gather_ms": gather / 1e3,
+                 "reduce_ms": reduce / 1e3, "per_device_batch": b})
+
+
+def _row(mode, s, it_us, mem, util, total_us, exposed_us, breakdown) -> dict:
+    return {"mode": mode, "status": "ok", "reason": "", "predicted": True,
+            "iter_ms": {"median": it_us / 1e3, "p90": it_us / 1e3},
+            "samples_per_s": s.batch_size / (it_us / 1e6),
+            "peak_memory_mb": [None if m is None else m / 2**20 for m in mem], "util_percent": util,
+            "grad_sync_ms": {"total": total_us / 1e3, "exposed": exposed_us / 1e3},
+            "final_loss": None, "breakdown": breakdown}
+
+
+def predict(modes: list[str], s: Setup, prof: Profile, steps: Steps | None = None) -> list[dict]:
+    steps = steps or Steps(s)
+    out = []
+    for mode in modes:
+        if mode == "dp":
+            out.append(predict_dp(s, prof, steps))
+        elif mode == "ddp" or mode.startswith("ddp:"):
+            alg = mode[4:] if mode.startswith("ddp:") else "builtin"
+            if alg != "noop" and alg not in algorithms.names():
+                out.append({"mode": mode, "status": "unavailable", "predicted": True, "reason": f"unknown algorithm {alg!r}"})
+                continue
+            try:
+                out.append(predict_ddp(mode, s, prof, steps))
+            except ValueError as e:
+                out.append({"mode": mode, "status": "unavailable", "predicted": True, "reason": str(e)})
+        else:
+            out.append({"mode": mode, "status": "unavailable", "predicted": True,
+                        "reason": "predicted modes: dp, ddp, ddp:<algorithm>, ddp:noop"})
+    return out
+
+
+def max_batch(mode: str, s: Setup, prof: Profile, steps: Steps, limit_bytes: float, cap: int = 1 << 14) -> int | None:
+    """The largest global batch (a multiple of the world size) whose predicted peak
+    memory fits every device."""
+    from dataclasses import replace
+
+    def fits(bs):
+        row = predict([mode], replace(s, batch_size=bs), prof, steps)[0]
+        return row["status"] == "ok" and max(row["peak_memory_mb"]) * 2**20 <= limit_bytes
+
+    p = s.world
+    if not fits(p):
+        return None
+    lo, hi = p, p
+    while hi < cap and fits(hi * 2):
+        lo, hi = hi * 2, hi * 2
+    hi = min(hi * 2, cap)
+    while hi - lo > p:
+        mid = (lo + hi) // 2 // p * p
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -1,0 +1,124 @@
+"""commlab.predict: the traced step (FLOPs, gradient order, memory facts), DDP's
+buckets as torch makes them, the roofline and link arithmetic on a profile, DP's
+device-0 extras, every profile's sources, the CLI and compare's --predict columns."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commlab.training.predict import model as M
+from commlab.training.predict.graph import trace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_trace_counts_an_mlps_flops_exactly_and_sees_every_gradient():
+    b, w = 8, 64
+    st = trace("mlp", b, width=w, depth=2)  # 256 -> 64 -> 64 -> 16
+    macs = 256 * w + w * w + w * 16
+    assert st.flops("fwd") == 2 * b * macs
+    assert st.flops("bwd") == pytest.approx(2 * st.flops("fwd") - 2 * b * 256 * w)  # no gradient for the input
+    assert sorted(st.grad_ready) == list(range(len(st.params)))
+    # Backward meets the last layer first: its gradients are ready before the first layer's.
+    assert st.grad_ready[len(st.params) - 1] < st.grad_ready[0]
+    assert st.param_bytes == 4 * (macs + 2 * w + 16)
+    two = trace("mlp", 2 * b, width=w, depth=2)
+    assert two.activation_bytes == pytest.approx(2 * st.activation_bytes)  # saved tensors grow with the batch
+
+
+@pytest.mark.parametrize("name,cap", [("resnet50", 25), ("resnet50", 5), ("transformer", 25), ("mlp", 1)])
+def test_buckets_are_the_ones_ddps_reducer_rebuilds(name, cap):
+    st = trace(name, 1)
+    order = M.ready_order(st)
+    tensors = [torch.empty(st.params[i] // 4) for i in order]  # the reducer's rebuilt order, sizes as they come
+    want, _ = dist._compute_bucket_assignment_by_size(tensors, [M.FIRST_BUCKET_BYTES, cap << 20],
+                                                      [False] * len(order), order)
+    assert M.buckets(st.params, cap, order) == want
+
+
+def test_a_profile_prices_compute_and_links_from_its_own_numbers():
+    prof = M.load_profile("rtx4090-pcie4")
+    s = M.Setup("mlp", world=4, batch_size=256, width=1024, depth=4)
+    steps = M.Steps(s)
+    st = steps.at(64)
+    exact = trace("mlp", 64)
+    assert [o.flops for o in st.ops] == pytest.approx([o.flops for o in exact.ops])  # affine in the batch
+    t = M.op_times_us(st, prof, None)
+    for o, us in zip(st.ops, t):  # a roofline: never faster than either limit
+        assert us >= o.bytes / (prof.memory_bandwidth_gbps * 1e3) - 1e-9
+        assert us >= o.flops / (max(prof.peak_tflops.values()) * 1e6) - 1e-9
+    n = 25 << 20
+    ring = M.allreduce_us(prof, "builtin", 4, n)
+    assert ring == pytest.approx(8.4 + 6 * 5.7 + 1.5 * n / 28.8e3 + 0.75 * n * 3 / 1008e3)
+    rows = {r["mode"]: r for r in M.predict(["dp", "ddp", "ddp:noop", "ddp:ring", "ddp:nope"], s, prof, steps)}
+    assert rows["ddp:nope"]["status"] == "unavailable"
+    noop, ddp, dp = rows["ddp:noop"], rows["ddp"], rows["dp"]
+    assert all(r["predicted"] for r in rows.values())
+    assert noop["grad_sync_ms"]["total"] == 0 and ddp["grad_sync_ms"]["total"] > 0
+    assert 0 <= ddp["grad_sync_ms"]["exposed"] <= ddp["grad_sync_ms"]["total"]
+    assert ddp["iter_ms"]["median"] == pytest.approx(noop["iter_ms"]["median"] + ddp["grad_sync_ms"]["exposed"])
+    # DP: nothing hidden, and device 0 holds the whole batch, the gathered outputs and the leaf gradients.
+    assert dp["grad_sync_ms"]["exposed"] == dp["grad_sync_ms"]["total"]
+    extra = (dp["peak_memory_mb"][0] - dp["peak_memory_mb"][1]) * 2**20
+    assert extra == pytest.approx(st.param_bytes + 4 * (st.input_bytes + st.output_bytes), rel=1e-6)
+    # DDP: every device alike, its bucket copies on top of parameters and gradients.
+    assert len(set(ddp["peak_memory_mb"])) == 1
+    assert (ddp["peak_memory_mb"][0] - noop["peak_memory_mb"][0]) * 2**20 == pytest.approx(st.param_bytes)
+
+
+def test_a_faster_link_shrinks_only_communication():
+    s = M.Setup("resnet50", world=4, batch_size=128)
+    steps = M.Steps(s)
+    slow, fast = M.load_profile("rtx4090-pcie4"), M.load_profile("rtx4090-pcie4")
+    fast.link = dict(fast.link, gbps=10 * fast.link["gbps"])
+    a, b = (M.predict(["ddp", "dp"], s, p, steps) for p in (slow, fast))
+    assert b[0]["grad_sync_ms"]["total"] < a[0]["grad_sync_ms"]["total"] and b[1]["iter_ms"]["median"] < a[1]["iter_ms"]["median"]
+    assert a[0]["breakdown"]["backward_ms"] == b[0]["breakdown"]["backward_ms"]
+
+
+@pytest.mark.parametrize("name", M.profile_names())
+def test_every_profile_cites_its_numbers(name):
+    prof = M.load_profile(name)
+    assert prof.device == "cuda" and prof.memory_bytes > 0 and prof.memory_bandwidth_gbps > 0
+    assert {"fp32", "tf32", "fp16", "bf16"} <= set(prof.peak_tflops)
+    assert {"gbps", "call_latency_us", "step_latency_us", "p2p"} <= set(prof.link)
+    cited = " ".join(x["what"] for x in prof.sources)
+    for fact in ("peak_tflops", "call_latency_us"):
+        assert fact in cited, (name, fact)
+    assert all(x["source"] for x in prof.sources)
+    with pytest.raises(ValueError, match="no hardware profile"):
+        M.load_profile("no-such-card")
+
+
+def test_max_batch_is_the_largest_that_fits():
+    s = M.Setup("resnet50", world=4, batch_size=64)
+    steps = M.Steps(s)
+    prof = M.load_profile("rtx4090-pcie4")
+    limit = 8 << 30
+    for mode in ("dp", "ddp"):
+        got = M.max_batch(mode, s, prof, steps, limit)
+        assert got % 4 == 0
+        mem = [max(M.predict([mode], M.Setup("resnet50", world=4, batch_size=b), prof, steps)[0]["peak_memory_mb"])
+               for b in (got, got + 4)]
+        assert mem[0] * 2**20 <= limit < mem[1] * 2**20
+
+
+def test_predict_cli_prints_the_seeds_table_and_json(tmp_path):
+    out = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, "-m", "commlab.predict", "--hardware", "rtx4090-pcie4", "--gpus", "4",
+                           "--model", "resnet50", "--batch-size", "256", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "| iteration median (ms) |" in proc.stdout and "dp (pred)" in proc.stdout and "# source:" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["predicted"] is True and [m["mode"] for m in doc["modes"]] == ["dp", "ddp", "ddp:noop"]
+    for m in doc["modes"]:
+        assert m["predicted"] is True
+        assert {"iter_ms", "samples_per_s", "peak_memory_mb", "util_percent", "grad_sync_ms", "final_loss"} <= set(m)
+    bad = subprocess.run([sys.executable, "-m", "commlab.predict", "--hardware", "nope"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no hardware profile 'nope'" in bad.stderr
