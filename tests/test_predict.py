@@ -30,6 +30,17 @@ def test_the_trace_counts_an_mlps_flops_exactly_and_sees_every_gradient():
     assert two.activation_bytes == pytest.approx(2 * st.activation_bytes)  # saved tensors grow with the batch
 
 
+def test_the_peak_follows_what_checkpointing_recomputes():
+    """The step's peak of live bytes, not a sum of saved tensors: checkpointing a
+    Sequential in two segments cuts it; checkpointing a whole model (resnet50 is not
+    Sequential) recomputes everything in backward and cuts nothing."""
+    for name, batch, smaller in (("mlp", 8192, True), ("resnet50", 16, False)):
+        plain, ck = trace(name, batch, width=256, depth=8), trace(name, batch, width=256, depth=8, checkpoint=True)
+        assert plain.peak_bytes >= plain.activation_bytes
+        assert ck.activation_bytes < plain.activation_bytes  # fewer tensors saved in forward, either way
+        assert (ck.peak_bytes < 0.8 * plain.peak_bytes) == smaller, (name, ck.peak_bytes, plain.peak_bytes)
+
+
 @pytest.mark.parametrize("name,cap", [("resnet50", 25), ("resnet50", 5), ("transformer", 25), ("mlp", 1)])
 def test_buckets_are_the_ones_ddps_reducer_rebuilds(name, cap):
     st = trace(name, 1)

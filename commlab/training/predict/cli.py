@@ -11,9 +11,9 @@ bound on compute. Communication: DDP's buckets (reverse parameter order, 1 MiB f
 then --bucket-cap-mb) all-reduced with the algorithm's α-β-γ cost on the profile's
 link as their gradients become ready, overlapped with the rest of backward; DP's
 scatter, parameter broadcast, output gather and gradient reduce through device 0's
-one link, none of it hidden. Memory per device: parameters, gradients, DDP's bucket
-copies, saved activations, inputs and outputs (what max_memory_allocated counts), and
-DP's extras on device 0. Profiles are data files with their sources:
+one link, none of it hidden. Memory per device (what max_memory_allocated counts): the
+weights, the step's peak of everything else alive at once (tracked through the trace),
+the input, DDP's bucket copies, and DP's extras on device 0. Profiles are data files with their sources:
 commlab/training/predict/profiles/.
 """
 from __future__ import annotations

@@ -31,6 +31,8 @@ class Step:
     params: list[int]  # bytes of each parameter, in model.parameters() order
     grad_ready: dict[int, int]  # parameter index -> number of ops done when its gradient is accumulated
     activation_bytes: float  # saved for backward (distinct storages, parameters excluded)
+    peak_bytes: float  # the most bytes alive at once in the step, parameters excluded (activations, gradients,
+    # temporaries, recomputed segments under checkpointing): what an allocator must hold beyond the weights
     input_bytes: float
     output_bytes: float
     buffers_bytes: float = 0.0
@@ -45,14 +47,25 @@ class Step:
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, skip: set):
         super().__init__()
         self.ops: list[Op] = []
         self.phase = "fwd"
+        self.skip = skip  # the parameters' storages: the weights are counted apart
+        self.live: dict = {}  # storage -> bytes, for every tensor an op made that is still alive
+        self.peak = 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                k = StorageWeakRef(t.untyped_storage())
+                if k not in self.skip and k not in self.live:
+                    self.live[k] = t.untyped_storage().nbytes()
+        for k in [k for k in self.live if k.expired()]:
+            del self.live[k]
+        self.peak = max(self.peak, float(sum(self.live.values())))
         packet = func._overloadpacket
         if func.is_view or packet in _FREE:
             return out
@@ -81,7 +94,7 @@ def trace(model_name: str, batch: int, *, width: int = 1024, depth: int = 4, che
     x, y = x.to("meta"), y.to("meta")
     params = list(model.parameters())
     index = {id(p): i for i, p in enumerate(params)}
-    keys = {StorageWeakRef(p.untyped_storage()) for p in params}
+    keys = {StorageWeakRef(t.untyped_storage()) for t in [*params, *model.buffers()]}
     saved: dict = {}
 
     def pack(t):
@@ -90,7 +103,7 @@ def trace(model_name: str, batch: int, *, width: int = 1024, depth: int = 4, che
             saved[k] = t.untyped_storage().nbytes()
         return t
 
-    rec = _Recorder()
+    rec = _Recorder(keys)
     ready: dict[int, int] = {}
 
     def accumulated(p):
@@ -111,6 +124,6 @@ def trace(model_name: str, batch: int, *, width: int = 1024, depth: int = 4, che
         for h in hooks:
             h.remove()
     return Step(batch=batch, ops=rec.ops, params=[p.numel() * p.element_size() for p in params], grad_ready=ready,
-                activation_bytes=float(sum(saved.values())), input_bytes=float(x.numel() * x.element_size()),
+                activation_bytes=float(sum(saved.values())), peak_bytes=rec.peak, input_bytes=float(x.numel() * x.element_size()),
                 output_bytes=float(out.numel() * out.element_size()),
                 buffers_bytes=float(sum(b.numel() * b.element_size() for b in model.buffers())))

@@ -78,12 +78,16 @@ class Setup:
 
 
 class Steps:
-    """Steps at any per-device batch from two traces (1 and 2 samples): every
-    operation's FLOPs and bytes are affine in the batch."""
+    """Steps at any per-device batch from two traces, at the setup's per-device batch b
+    and at 2b (meta tensors: a trace costs the same at any batch). Every operation's
+    FLOPs and bytes are affine in the batch; the peak of live bytes is too as long as it
+    falls at the same point of the step, which holds from b up (at tiny batches the
+    gradients, not the activations, make the peak)."""
 
     def __init__(self, s: Setup):
         kw = dict(width=s.width, depth=s.depth, checkpoint=s.checkpoint)
-        self.one, self.two = trace(s.model, 1, **kw), trace(s.model, 2, **kw)
+        self.b = max(1, s.batch_size // s.world)
+        self.one, self.two = trace(s.model, self.b, **kw), trace(s.model, 2 * self.b, **kw)
         if len(self.one.ops) != len(self.two.ops):
             raise ValueError(f"{s.model}: the traced step changes shape with the batch; cannot extrapolate")
 
@@ -91,11 +95,12 @@ class Steps:
         one, two = self.one, self.two
 
         def lin(a, c):
-            return a + (b - 1) * (c - a)
+            return a + (b - self.b) / self.b * (c - a)
 
         ops = [Op(o.phase, lin(o.flops, t.flops), lin(o.bytes, t.bytes), o.kind) for o, t in zip(one.ops, two.ops)]
         return Step(batch=b, ops=ops, params=one.params, grad_ready=one.grad_ready,
                     activation_bytes=lin(one.activation_bytes, two.activation_bytes),
+                    peak_bytes=lin(one.peak_bytes, two.peak_bytes),
                     input_bytes=lin(one.input_bytes, two.input_bytes), output_bytes=lin(one.output_bytes, two.output_bytes),
                     buffers_bytes=one.buffers_bytes)
 
@@ -186,8 +191,10 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
             "per_device_batch": b}
     if prof.device == "cpu":  # compare reports peak RSS (interpreter and torch too) and CPU time: not modelled
         return _row(mode, s, it, [None] * p, [None] * p, total, exposed, info)
-    mem = (2 * st.param_bytes + (st.param_bytes if algorithm not in (None, "noop") else 0)  # params, grads, buckets
-           + st.buffers_bytes + st.activation_bytes + st.input_bytes + st.output_bytes)
+    # Weights, the step's peak of everything else (activations, gradients, temporaries), the
+    # input batch, and DDP's bucket copies of the gradients (gradient_as_bucket_view=False).
+    mem = (st.param_bytes + st.buffers_bytes + st.peak_bytes + st.input_bytes
+           + (st.param_bytes if algorithm not in (None, "noop") else 0))
     return _row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info)
 
 
@@ -212,10 +219,10 @@ def predict_dp(s: Setup, prof: Profile, steps: Steps) -> dict:
     reduce = lat + st.param_bytes / per_us + st.param_bytes * 3 / (prof.memory_bandwidth_gbps * 1e3)
     comm = scatter + replicate + gather + reduce  # all on the compute stream: none hidden
     it = comm + fwd + bwd + opt
-    # Every device: a replica's parameters and buffers (device 0's are the module's own), its gradients, its
-    # activations, inputs and outputs; device 0 also the leaf gradients the replicas' are reduced into, the
+    # Every device: a replica's parameters and buffers (device 0's are the module's own), the step's peak
+    # of everything else, its inputs; device 0 also the leaf gradients the replicas' are reduced into, the
     # whole batch it scatters and the outputs it gathers.
-    replica = 2 * st.param_bytes + st.buffers_bytes + st.activation_bytes + st.input_bytes + st.output_bytes
+    replica = st.param_bytes + st.buffers_bytes + st.peak_bytes + st.input_bytes
     main = replica + st.param_bytes + batch_in + batch_out
     busy0 = 100.0 * it / it
     busy = 100.0 * (replicate + fwd + bwd + reduce) / it
