@@ -173,3 +173,26 @@ def test_rhd_halves_with_its_nearest_partner_first(ranks):
     got = ranks.run(4, rhd_exchanges)
     assert got[0] == [(1, 512), (2, 256), (2, 256), (1, 512)], got[0]
     assert got[3] == [(2, 512), (1, 256), (1, 256), (2, 512)], got[3]
+
+
+def subgroups_left(rank, p):
+    import gc
+
+    os.environ["COMMLAB_HOST_ID"] = f"h{rank // 2}"
+    try:
+        before = len(dist.distributed_c10d._world.pg_map)
+        g = dist.new_group()
+        commlab.all_reduce(torch.ones(100), group=g, algorithm="hier")
+        during = len(dist.distributed_c10d._world.pg_map)
+        dist.destroy_process_group(g)
+        del g
+        gc.collect()
+        return during - before, len(dist.distributed_c10d._world.pg_map) - before
+    finally:
+        del os.environ["COMMLAB_HOST_ID"]
+
+
+def test_hiers_sub_groups_go_with_their_group(ranks):
+    """2 x 2: hier makes two sub-groups per rank; destroying the group it served must
+    not leave them registered with torch (and their gloo threads running)."""
+    assert ranks.run(4, subgroups_left) == [(3, 0)] * 4

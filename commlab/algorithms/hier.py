@@ -173,6 +173,18 @@ def _make_layout(group: dist.ProcessGroup) -> Layout:
                   shards=k, intra=intra, inter=inter)
 
 
-_layouts = groups.PerGroup(_make_layout)
+def _release_layout(layout: Layout) -> None:
+    """The group is gone: its two sub-groups are hier's alone, so they go too (torch
+    would keep them registered until the process ends, gloo's threads with them)."""
+    subs = [layout.intra.group if layout.intra else None, layout.inter.info.group if layout.inter else None]
+    for g in subs:
+        if g is not None and g in dist.distributed_c10d._world.pg_map:
+            try:
+                dist.destroy_process_group(g)
+            except Exception:  # noqa: BLE001 - a finalizer: a sub-group left registered is a leak, not a wrong result
+                pass
+
+
+_layouts = groups.PerGroup(_make_layout, _release_layout)
 
 ALGORITHM = Hierarchical()
