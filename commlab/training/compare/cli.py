@@ -122,7 +122,7 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
 
 def host_bench(world: int, names: list[str]) -> dict:
     """A short all-reduce bench of these algorithms at this world size (what this-host
-    is fitted to): 64 KiB to 32 MiB, DDP's bucket sizes."""
+    is fitted to): 256 KiB to 16 MiB, DDP's bucket sizes."""
     import os
     import subprocess
     import tempfile
@@ -130,7 +130,7 @@ def host_bench(world: int, names: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "bench.json")
         cmd = [sys.executable, "-m", "commlab.allreduce_bench", "--world-size", str(world), "--algorithms",
-               ",".join(dict.fromkeys(names)), "-b", "64K", "-e", "32M", "-f", "4", "--anchors", "none",
+               ",".join(dict.fromkeys(names)), "-b", "256K", "-e", "16M", "-f", "4", "--anchors", "none",
                "--budget", "0.1", "--rounds", "1", "--quiet", "--json", out]
         print(f"# predicting this-host: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=600)
