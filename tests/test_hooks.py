@@ -370,3 +370,41 @@ def test_lightning_ddp_strategy_with_a_state_built_first(tmp_path):
     outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert outs[0]["weight"] == outs[1]["weight"]  # replicas identical: the hook averaged
     assert all(o["bound"] and o["iterations"] >= 3 for o in outs), outs
+
+
+class _FakeBucket:
+    def __init__(self, index, last):
+        self._buf, self._index, self._last = torch.ones(8), index, last
+
+    def buffer(self):
+        return self._buf
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return self._last
+
+
+def queued_bucket_times(rank, p):
+    import time as _time
+
+    state = hooks.CommState("ring")
+    state.bind()
+    state._reduce = lambda buf: _time.sleep(0.2)  # a slow all-reduce: the second bucket queues behind it
+    futs = [state.submit(_FakeBucket(0, False)), state.submit(_FakeBucket(1, True))]
+    for f in futs:
+        f.wait()
+    out = {"stats": state.stats()}
+    state.close()
+    return out
+
+
+def test_a_buckets_time_runs_from_its_hand_over(ranks):
+    """As the `ddp` mode times DDP's own reduction: a bucket that waits behind another on
+    commlab's communication thread counts the wait (it counted only its own run, which
+    made commlab's sync look shorter than gloo's under the same definition)."""
+    got = ranks.run(1, queued_bucket_times)[0]["stats"]
+    assert got["iterations"] == 1
+    first, second = sorted(got["last_buckets"], key=lambda b: b["index"])
+    assert 190 <= first["comm_ms"] < 400 and second["comm_ms"] >= 390, got  # 200 waiting + 200 of its own

@@ -258,6 +258,9 @@ class CommState:
         self._ready_for(buf)
         it = self.timing.begin(bucket)
         index = bucket.index()
+        # A bucket's time runs from its hand-over, as the `ddp` mode times DDP's own
+        # reduction: waiting behind earlier buckets and for late peers is in it.
+        t0 = time.perf_counter()
         if buf.is_cuda:
             # CUDA semantics: the work runs on the state's stream after the bucket's
             # producer stream, and the Future carries that stream to whoever waits on it.
@@ -269,7 +272,6 @@ class CommState:
             fut, ready, stream = torch.futures.Future(), None, None
 
         def job() -> None:
-            t0 = time.perf_counter()
             error = None
             try:
                 if stream is not None:
