@@ -5,14 +5,13 @@ memory when every rank is on one host, `hier` across hosts with several ranks on
 host, and the backend's own all-reduce otherwise."""
 from __future__ import annotations
 
-import collections
 import copy
 import hashlib
 import os
 
 from commlab.core.errors import CollectiveMismatchError, UnsupportedError
 from commlab.transports.p2p import P2P
-from commlab.transports.setup import gather, host_id
+from commlab.transports.setup import by_host, gather, host_id
 
 from . import tuning
 from .base import Algorithm, Context
@@ -60,7 +59,7 @@ class Auto(Algorithm):
             table = tuning.load(file, device_type, ctx.info.size, hosts, registry.names())
             if table is not None:
                 return _Choice(self.name, ctx, table=table)
-        per_host = list(collections.Counter(f["host"] for f in facts).values())
+        per_host = [len(m) for m in by_host([f["host"] for f in facts])]
         return _Choice(self.name, ctx, fixed=rule(device_type, per_host))
 
     def run(self, buf, op, ctx):

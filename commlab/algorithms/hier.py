@@ -20,7 +20,7 @@ import torch.distributed as dist
 from commlab.core import groups
 from commlab.transports import shm
 from commlab.transports.p2p import P2P
-from commlab.transports.setup import gather, host_id
+from commlab.transports.setup import by_host, gather, host_id
 
 from .base import Algorithm, Context, Cost, Stage
 
@@ -145,11 +145,7 @@ _named: dict[str, Algorithm] = {}
 
 def _make_layout(group: dist.ProcessGroup) -> Layout:
     info = groups.resolve(group)
-    hosts = gather(info, host_id(), "hier", "grouping ranks by host")
-    order: dict[str, list[int]] = {}
-    for r, h in enumerate(hosts):
-        order.setdefault(h, []).append(r)
-    members = list(order.values())  # hosts in order of their lowest rank, ranks ascending
+    members = by_host(gather(info, host_id(), "hier", "grouping ranks by host"))
     mine = next(m for m in members if info.rank in m)
     k = min(len(m) for m in members)
     local = mine.index(info.rank)

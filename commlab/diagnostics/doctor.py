@@ -150,14 +150,11 @@ def check_layout(group=None) -> Check:
     take on them."""
     from commlab.algorithms import auto, hier
     from commlab.core import groups
-    from commlab.transports.setup import gather, host_id
+    from commlab.transports.setup import by_host, gather, host_id
 
     info = groups.resolve(group)
-    ids = gather(info, host_id(), "doctor", "grouping ranks by host")
-    members: dict[str, list[int]] = {}
-    for r, h in enumerate(ids):
-        members.setdefault(h, []).append(info.global_rank(r))
-    hosts = list(members.values())
+    hosts = [[info.global_rank(r) for r in m]
+             for m in by_host(gather(info, host_id(), "doctor", "grouping ranks by host"))]
     per_host = [len(m) for m in hosts]
     k = min(per_host)
     shown = "; ".join(f"host {i}: ranks {_ranges(m)}" for i, m in enumerate(hosts[:8]))

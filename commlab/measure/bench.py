@@ -28,7 +28,7 @@ from commlab.measure import costmodel, envinfo, launch
 from commlab.measure.rows import anchor_rows, registry_rows
 from commlab.measure.timing import Interleaved
 from commlab.measure.units import format_bytes, parse_bytes
-from commlab.transports.setup import gather, host_id
+from commlab.transports.setup import by_host, gather, host_id
 
 DTYPES = {
     "float": torch.float32, "float32": torch.float32, "double": torch.float64, "float64": torch.float64,
@@ -139,7 +139,7 @@ def host_layout() -> tuple[list[int], int]:
     most ranks sharing one machine's cores (emulated hosts share them)."""
     ids = gather(groups.resolve(None), host_id(), "bench", "grouping ranks by host")
     machines = ["/".join(h.split("/")[:2]) for h in ids]  # hostname and boot: one kernel, one set of cores
-    return [ids.count(h) for h in dict.fromkeys(ids)], max(machines.count(m) for m in machines)
+    return [len(m) for m in by_host(ids)], max(machines.count(m) for m in machines)
 
 
 def tuning_entry(args, doc: dict, device, names: list[str]) -> dict:

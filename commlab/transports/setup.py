@@ -70,6 +70,15 @@ class Entry:
                 self.comm = None
 
 
+def by_host(ids: list[str]) -> list[list[int]]:
+    """Group ranks by their host_id(): one list of group ranks per host, hosts in order
+    of their lowest rank, ranks ascending (every rank that gathered the same ids agrees)."""
+    hosts: dict[str, list[int]] = {}
+    for r, h in enumerate(ids):
+        hosts.setdefault(h, []).append(r)
+    return list(hosts.values())
+
+
 def gather(info: GroupInfo, value, transport: str = "shm", what: str = "setup") -> list:
     out = [None] * info.size
     try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -111,8 +112,6 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
             return [{"mode": m, "status": "unavailable", "predicted": True,
                      "reason": "this-host needs the measured compute-only step (ddp:noop), which failed"} for m in wanted]
         bench = host_bench(world, ["builtin"] + [m[4:] for m in wanted if m[4:] in algorithms.for_device("cpu")])
-        import os
-
         prof = M.this_host(bench, noop["iter_ms"]["median"], world, len(os.sched_getaffinity(0)),
                            noop.get("arrival_skew_ms", 0.0))
     else:
@@ -123,7 +122,6 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
 def host_bench(world: int, names: list[str]) -> dict:
     """A short all-reduce bench of these algorithms at this world size (what this-host
     is fitted to): 256 KiB to 16 MiB, DDP's bucket sizes."""
-    import os
     import subprocess
     import tempfile
 

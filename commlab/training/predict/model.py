@@ -157,22 +157,28 @@ def ready_order(st: Step) -> list[int]:
     return sorted(range(len(st.params)), key=lambda i: (st.grad_ready.get(i, len(st.ops)), -i))
 
 
-def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
-    p = s.world
-    b = max(1, s.batch_size // p)
+def _step_times(s: Setup, prof: Profile, steps: Steps):
+    """The per-device step of a setup and its operations' times: (per-device batch,
+    step, per-op µs, forward, backward and optimizer µs)."""
+    b = max(1, s.batch_size // s.world)
     st = steps.at(b)
     t = op_times_us(st, prof, s.amp)
-    fwd = sum(x for x, o in zip(t, st.ops) if o.phase == "fwd")
-    bwd = sum(x for x, o in zip(t, st.ops) if o.phase == "bwd")
-    opt = sum(x for x, o in zip(t, st.ops) if o.phase == "opt")
+    phase = {ph: sum(x for x, o in zip(t, st.ops) if o.phase == ph) for ph in ("fwd", "bwd", "opt")}
+    return b, st, t, phase["fwd"], phase["bwd"], phase["opt"]
+
+
+def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
+    p = s.world
+    b, st, t, fwd, bwd, opt = _step_times(s, prof, steps)
     done = [0.0]
     for x in t:
         done.append(done[-1] + x)
     algorithm = "builtin" if mode == "ddp" else mode.split(":", 1)[1] if mode.startswith("ddp:") else None
     total = exposed = 0.0
-    if algorithm not in (None, "noop"):
+    bks = buckets(st.params, s.bucket_cap_mb, ready_order(st)) if algorithm not in (None, "noop") else []
+    if bks:
         end = 0.0
-        for bk in buckets(st.params, s.bucket_cap_mb, ready_order(st)):
+        for bk in bks:
             ready = max(done[st.grad_ready[i]] for i in bk)
             cost = allreduce_us(prof, algorithm, p, sum(st.params[i] for i in bk))  # fp32 grads, autocast or not
             total += cost
@@ -187,14 +193,13 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
         total += prof.arrival_skew_ms * 1e3
         exposed += prof.arrival_skew_ms * 1e3
     info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / 1e3,
-            "buckets": len(buckets(st.params, s.bucket_cap_mb, ready_order(st))) if total else 0,
+            "buckets": len(bks),
             "per_device_batch": b}
     if prof.device == "cpu":  # compare reports peak RSS (interpreter and torch too) and CPU time: not modelled
         return _row(mode, s, it, [None] * p, [None] * p, total, exposed, info)
     # Weights, the step's peak of everything else (activations, gradients, temporaries), the
     # input batch, and DDP's bucket copies of the gradients (gradient_as_bucket_view=False).
-    mem = (st.param_bytes + st.buffers_bytes + st.peak_bytes + st.input_bytes
-           + (st.param_bytes if algorithm not in (None, "noop") else 0))
+    mem = st.param_bytes + st.buffers_bytes + st.peak_bytes + st.input_bytes + (st.param_bytes if bks else 0)
     return _row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info)
 
 
@@ -203,12 +208,7 @@ def predict_dp(s: Setup, prof: Profile, steps: Steps) -> dict:
         return {"mode": "dp", "status": "unavailable", "predicted": True,
                 "reason": "nn.DataParallel replicates a module across CUDA devices; this profile has none"}
     p = s.world
-    b = max(1, s.batch_size // p)
-    st = steps.at(b)
-    t = op_times_us(st, prof, s.amp)
-    fwd = sum(x for x, o in zip(t, st.ops) if o.phase == "fwd")
-    bwd = sum(x for x, o in zip(t, st.ops) if o.phase == "bwd")
-    opt = sum(x for x, o in zip(t, st.ops) if o.phase == "opt")
+    b, st, _, fwd, bwd, opt = _step_times(s, prof, steps)
     link = prof.link
     per_us = link["gbps"] * 1e3
     lat = link["call_latency_us"] + (p - 1) * link["step_latency_us"]
@@ -224,9 +224,8 @@ def predict_dp(s: Setup, prof: Profile, steps: Steps) -> dict:
     # whole batch it scatters and the outputs it gathers.
     replica = st.param_bytes + st.buffers_bytes + st.peak_bytes + st.input_bytes
     main = replica + st.param_bytes + batch_in + batch_out
-    busy0 = 100.0 * it / it
-    busy = 100.0 * (replicate + fwd + bwd + reduce) / it
-    return _row("dp", s, it, [main] + [replica] * (p - 1), [busy0] + [busy] * (p - 1), comm, comm,
+    busy = 100.0 * (replicate + fwd + bwd + reduce) / it  # the others idle while device 0 scatters, gathers, steps
+    return _row("dp", s, it, [main] + [replica] * (p - 1), [100.0] + [busy] * (p - 1), comm, comm,
                 {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / 1e3,
                  "scatter_ms": scatter / 1e3, "replicate_ms": replicate / 1e3, "gather_ms": gather / 1e3,
                  "reduce_ms": reduce / 1e3, "per_device_batch": b})
