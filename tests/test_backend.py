@@ -208,7 +208,7 @@ def test_a_mismatch_is_the_same_clear_error_on_every_rank():
 
 
 LIGHTNING_SCRIPT = '''
-import datetime, json, os, sys
+import datetime, gc, json, os, sys
 import torch
 import torch.distributed as dist
 import pytorch_lightning as pl
@@ -243,6 +243,12 @@ out = {"weight": trainer.lightning_module.net.weight.detach().flatten().tolist()
        "shm_calls": entry.comm.calls if entry.comm is not None else 0}
 with open(os.path.join(sys.argv[1], f"{backend}{trainer.global_rank}.json"), "w") as f:
     json.dump(out, f)
+# Lightning leaves the group up; one that dies in interpreter shutdown can abort the process
+# (gloo's threads free Python-owned tensors without the GIL: pytorch/pytorch#190489).
+dist.barrier()
+dist.destroy_process_group()
+del trainer  # its DDP module holds the group too
+gc.collect()
 '''
 
 
