@@ -30,6 +30,20 @@ def test_the_trace_counts_an_mlps_flops_exactly_and_sees_every_gradient():
     assert two.activation_bytes == pytest.approx(2 * st.activation_bytes)  # saved tensors grow with the batch
 
 
+def test_copies_move_bytes_in_the_roofline():
+    """A clone or a dtype cast does no FLOPs but reads and writes its tensor: counted
+    free, the transformer's attention clones left ~7 % of its step's bytes out."""
+    from commlab.training.predict.graph import _Recorder
+
+    x = torch.empty(1 << 18, device="meta")  # 1 MiB of fp32
+    rec = _Recorder(set())
+    with rec:
+        x.clone()
+        x.to(torch.float16)
+    assert [o.bytes for o in rec.ops] == [2 << 20, (1 << 20) + (1 << 19)], rec.ops
+    assert all(o.flops == 0 and o.kind == "" for o in rec.ops)
+
+
 def test_the_peak_follows_what_checkpointing_recomputes():
     """The step's peak of live bytes, not a sum of saved tensors: checkpointing a
     Sequential in two segments cuts it; checkpointing a whole model (resnet50 is not

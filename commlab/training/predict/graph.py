@@ -78,7 +78,8 @@ class _Recorder(TorchDispatchMode):
 
 
 _aten = torch.ops.aten
-_FREE = {_aten.detach, _aten.empty, _aten.empty_like, _aten.zeros_like, _aten.lift_fresh, _aten._to_copy, _aten.clone}
+# Allocations and aliases move no bytes; copies and casts (clone, _to_copy) do, and are priced.
+_FREE = {_aten.detach, _aten.empty, _aten.empty_like, _aten.zeros_like, _aten.lift_fresh}
 _MM = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.matmul}
 
 
