@@ -2,12 +2,27 @@
 ranks spawned once per world size and reused (conftest.py), each function run on every
 rank with a hard deadline, a failing rank's traceback or a silent rank's stacks as the
 test's error message."""
+import contextlib
 import os
+import signal
 
 from commlab.measure.launch import Outcome, RankFailure, RankPool  # noqa: F401
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+@contextlib.contextmanager
+def sigint_raises():
+    """Within it SIGINT raises KeyboardInterrupt, whatever this process inherited: a
+    process started with SIGINT ignored (a background job of a shell without job
+    control) passes that on to every process it starts, and Python then installs no
+    handler — a Ctrl-C test would see no signal at all. Main thread only."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
 
 def status_payload(o: Outcome):

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import RankPool, status_payload
+from ranks import RankPool, sigint_raises, status_payload
 
 import commlab
 from commlab.transports import shm
@@ -107,14 +107,15 @@ def interrupted_in_a_wait(rank, p, g, algorithm):
     out = {}
     if rank == 0:
         # Rank 1 is not calling: rank 0 sleeps in a wait when the signal comes.
-        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-        t0 = time.monotonic()
-        try:
-            commlab.all_reduce(x, group=g, algorithm=algorithm)
-            out["raised"] = None
-        except KeyboardInterrupt:
-            out["raised"] = "KeyboardInterrupt"
-        out["after_signal_s"] = time.monotonic() - t0 - 0.5
+        with sigint_raises():
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+            t0 = time.monotonic()
+            try:
+                commlab.all_reduce(x, group=g, algorithm=algorithm)
+                out["raised"] = None
+            except KeyboardInterrupt:
+                out["raised"] = "KeyboardInterrupt"
+            out["after_signal_s"] = time.monotonic() - t0 - 0.5
     else:
         time.sleep(2)
         out.update(_outcome(lambda: commlab.all_reduce(x, group=g, algorithm=algorithm)))
