@@ -208,12 +208,13 @@ def test_a_mismatch_is_the_same_clear_error_on_every_rank():
 
 
 LIGHTNING_SCRIPT = '''
-import datetime, gc, json, os, sys
+import datetime, json, os, sys
 import torch
 import torch.distributed as dist
 import pytorch_lightning as pl
 from pytorch_lightning.strategies import DDPStrategy
 import commlab  # registers the backend
+from commlab.measure.launch import leave
 from commlab.transports import shm
 
 backend = sys.argv[2]
@@ -244,11 +245,9 @@ out = {"weight": trainer.lightning_module.net.weight.detach().flatten().tolist()
 with open(os.path.join(sys.argv[1], f"{backend}{trainer.global_rank}.json"), "w") as f:
     json.dump(out, f)
 # Lightning leaves the group up; one that dies in interpreter shutdown can abort the process
-# (gloo's threads free Python-owned tensors without the GIL: pytorch/pytorch#190489).
-dist.barrier()
-dist.destroy_process_group()
-del trainer  # its DDP module holds the group too
-gc.collect()
+# (pytorch/pytorch#190489). The trainer's DDP module holds it too.
+del trainer
+leave()
 '''
 
 

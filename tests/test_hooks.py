@@ -319,6 +319,7 @@ import torch
 import pytorch_lightning as pl
 from pytorch_lightning.strategies import DDPStrategy
 import commlab.hooks as hooks
+from commlab.measure.launch import leave
 
 state = hooks.CommState("shm")  # before anything distributed exists, as Lightning's docs show
 
@@ -352,6 +353,10 @@ w = trainer.lightning_module.net.weight.detach().flatten().tolist()
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
     json.dump({"weight": w, "iterations": state.stats()["iterations"], "bound": state.bound}, f)
 state.close()
+# Lightning leaves the group up; one that dies in interpreter shutdown can abort the process
+# (pytorch/pytorch#190489). The trainer's DDP module holds it too.
+del trainer
+leave()
 '''
 
 
