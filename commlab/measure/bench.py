@@ -139,7 +139,7 @@ def host_layout() -> tuple[list[int], int]:
     most ranks sharing one machine's cores (emulated hosts share them)."""
     ids = gather(groups.resolve(None), host_id(), "bench", "grouping ranks by host")
     machines = ["/".join(h.split("/")[:2]) for h in ids]  # hostname and boot: one kernel, one set of cores
-    return [len(m) for m in by_host(ids)], max(machines.count(m) for m in machines)
+    return [len(m) for m in by_host(ids)], max(len(m) for m in by_host(machines))
 
 
 def tuning_entry(args, doc: dict, device, names: list[str]) -> dict:
