@@ -9,7 +9,7 @@ import signal
 from commlab.measure.launch import Outcome, RankFailure, RankPool  # noqa: F401
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "COMMLAB_SPAWNED")
 
 
 @contextlib.contextmanager

@@ -191,7 +191,8 @@ def test_launch_reads_the_local_world_size(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert launch.detect() == launch.Launch("torchrun", 5, 8, 1, 4)
+    monkeypatch.delenv("COMMLAB_SPAWNED", raising=False)
+    assert launch.detect() == launch.Launch("torchrun", 5, 8, 1, 4, "torchrun")
 
 
 def test_the_mpi_anchor_names_its_library_and_stages_cuda_tensors(monkeypatch):
@@ -217,8 +218,7 @@ def test_the_mpi_anchor_names_its_library_and_stages_cuda_tensors(monkeypatch):
 
     fake = types.SimpleNamespace(COMM_WORLD=Comm(), IN_PLACE=None, SUM="sum", PROD="prod", MIN="min", MAX="max",
                                  Get_library_version=lambda: "Open MPI v5.0.11, package: Open MPI\nmore")
-    monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(MPI=fake))
-    monkeypatch.setattr(launch, "active", lambda: launch.Launch("mpi", 0, 2, 0, 2))
+    monkeypatch.setattr(launch, "mpi_world", lambda: (fake, None))
     monkeypatch.setattr(rows.dist, "get_world_size", lambda: 2)
     row = rows.mpi_row(torch.float32, Op.SUM, torch.device("cuda"))
     assert row.name == "mpi:openmpi:host-staged" and "Open MPI v5.0.11" in row.about

@@ -333,13 +333,11 @@ def run_all(world_size: int, timeout_s: float) -> list[Check]:
 
 
 def in_job(timeout_s: float) -> list[Check] | None:
-    """Under torchrun (any number of hosts): the host layout and every CPU algorithm on
+    """Under a launcher (torchrun, mpiexec, srun; any number of hosts): the host layout and every CPU algorithm on
     the job's ranks; rank 0 gets the checks, the others None."""
-    import datetime
-
     import commlab
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    launch.init(launch.detect(), "gloo", timeout_s, "cpu")
     try:
         mine = _smoke_rank(dist.get_rank(), dist.get_world_size())
         every = [None] * dist.get_world_size()
@@ -356,10 +354,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m commlab.doctor", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-size", type=int, default=2, help="local ranks for the all-reduce smoke test (0: skip); "
-                    "under torchrun the job's ranks, on every host, are used instead")
+                    "under a launcher (torchrun, mpiexec, srun) the job's ranks, on every host, are used instead")
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds each collective may take")
     args = ap.parse_args(argv)
-    if launch.detect().kind == "torchrun":
+    try:
+        how = launch.detect()
+    except launch.LaunchError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if how.kind != "single":
         checks = in_job(args.timeout)
         if checks is None:
             return 0

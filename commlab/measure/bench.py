@@ -378,7 +378,12 @@ def _spawned_rank(rank: int, world: int, args) -> None:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for what --tune records
-    if args.world_size and launch.detect().kind == "single":
+    try:
+        how = launch.detect()
+    except launch.LaunchError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if args.world_size and how.kind == "single":
         outcomes = launch.run_once(args.world_size, _spawned_rank, args, threads=_threads())
         failed = launch.report_failures(outcomes)
         if failed:

@@ -50,15 +50,13 @@ def collect(device: torch.device) -> dict:
             env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
         except Exception:  # noqa: BLE001 - informational only
             env["nccl"] = None
-    from commlab.measure.launch import active
+    from commlab.measure.launch import active, mpi_world
 
-    if active().kind == "mpi":
-        try:
-            from mpi4py import MPI
-
-            env["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
-        except Exception:  # noqa: BLE001 - mpi4py is optional
-            pass
+    how = active()
+    env["launcher"] = how.launcher or how.kind
+    if how.kind == "mpi":
+        mpi, why = mpi_world()
+        env["mpi"] = mpi.Get_library_version().splitlines()[0].strip() if mpi is not None else f"not used: {why}"
     return env
 
 

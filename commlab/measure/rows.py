@@ -61,19 +61,14 @@ MPI_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint
 
 
 def mpi_row(dtype: torch.dtype, op: Op, device) -> Row | str:
-    """MPI_Allreduce through mpi4py; only when mpiexec launched us (importing mpi4py
-    elsewhere makes a 1-rank MPI world)."""
-    if launch.active().kind != "mpi":
-        return "mpi: not launched by mpiexec"
+    """MPI_Allreduce through mpi4py; only when mpiexec launched us, with its own MPI
+    library (launch.mpi_world)."""
     if dtype not in MPI_DTYPES:
         return f"mpi: mpi4py has no {dtype} buffers"
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return "mpi: mpi4py is not installed"
+    MPI, why = launch.mpi_world()
+    if MPI is None:
+        return f"mpi: {why}"
     comm = MPI.COMM_WORLD
-    if comm.Get_size() != dist.get_world_size():
-        return "mpi: the MPI world is not this group"
     version = MPI.Get_library_version().strip().splitlines()[0]
     library = "openmpi" if "Open MPI" in version else ("mpich" if "MPICH" in version else "mpi")
     mpi_ops = {Op.SUM: MPI.SUM, Op.AVG: MPI.SUM, Op.PRODUCT: MPI.PROD, Op.MIN: MPI.MIN, Op.MAX: MPI.MAX}

@@ -1,0 +1,234 @@
+"""Cluster launchers: the rank, world, local rank and rank 0's address read from torchrun,
+Open MPI, MPICH's hydra and Slurm's srun; a half-described launch is a clear error; and
+the benchmark run under each real launcher gives the table torchrun gives."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+
+import pytest
+from ranks import clean_launch_env
+
+from commlab.measure import launch
+from commlab.measure.launch import Launch, LaunchError
+
+SLURM_STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "8", "SLURM_NODEID": "1",
+              "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_NODELIST": "gpu[007-008]", "SLURM_PROCID": "5",
+              "SLURM_LOCALID": "1"}
+
+
+@pytest.fixture
+def bare_env(monkeypatch):
+    """No launcher's variables at all; each test sets its launcher's."""
+    for k in list(os.environ):
+        if k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "COMMLAB_SPAWNED") or k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "MPI_LOCAL")):
+            monkeypatch.delenv(k)
+    monkeypatch.setattr(launch, "_mpi", None)
+    return monkeypatch
+
+
+def test_each_launchers_variables(bare_env):
+    m = bare_env
+    assert launch.detect() == Launch("single", 0, 1, 0, 1)
+    for k, v in {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "PMIX_NAMESPACE": "prterun-h-1@1"}.items():
+        m.setenv(k, v)
+    assert launch.detect() == Launch("mpi", 3, 8, 1, 2, "Open MPI", None, "prterun-h-1@1")
+    for k in list(os.environ):
+        if k.startswith(("OMPI_", "PMIX_")):
+            m.delenv(k)
+    for k, v in {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "4"}.items():
+        m.setenv(k, v)
+    got = launch.detect()
+    assert (got.kind, got.rank, got.world_size, got.local_rank, got.local_world_size, got.launcher) == \
+        ("mpi", 2, 4, 2, 4, "MPICH (hydra)")
+    for k in ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"):
+        m.delenv(k)
+    for k, v in SLURM_STEP.items():
+        m.setenv(k, v)
+    assert launch.detect() == Launch("slurm", 5, 8, 1, 4, "Slurm (srun)", "gpu007", "4242.0")
+    m.setenv("RANK", "1")  # torchrun under srun sets its own: they win
+    m.setenv("WORLD_SIZE", "2")
+    assert launch.detect().kind == "torchrun"
+
+
+def test_a_batch_script_is_one_process_not_rank_0():
+    """sbatch -n 8 runs its script once with SLURM_PROCID=0 and SLURM_NTASKS=8, outside
+    any step: taking it for rank 0 of 8 would wait for 7 peers that never come."""
+    env = {k: v for k, v in SLURM_STEP.items() if not k.startswith("SLURM_STEP")}
+    env.update(SLURM_NTASKS="8", SLURM_PROCID="0", SLURM_JOB_NODELIST="gpu[007-008]")
+    script = "from commlab.measure import launch; print(launch.detect().kind)"
+    out = subprocess.run([sys.executable, "-c", script], env=clean_launch_env(**env), capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.strip() == "single", out.stderr
+
+
+def test_slurm_node_lists_and_tasks_per_node():
+    assert launch.first_host("gpu[003-008,011],cpu1") == "gpu003"
+    assert launch.first_host("rack[1-2]-n[07,9]") == "rack1-n07"
+    assert launch.first_host("node17") == "node17"
+    assert launch.first_host("a,b[1-3]") == "a"
+    assert launch.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert launch.expand_tasks_per_node("8") == [8]
+    with pytest.raises(LaunchError, match="tasks per node"):
+        launch.expand_tasks_per_node("two")
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"WORLD_SIZE": "4"}, "RANK"),
+    ({"RANK": "0"}, "WORLD_SIZE"),
+    ({"PMI_SIZE": "4"}, "PMI_RANK"),
+    ({"OMPI_COMM_WORLD_RANK": "1"}, "OMPI_COMM_WORLD_SIZE"),
+    ({"SLURM_PROCID": "1", "SLURM_STEP_ID": "0"}, "SLURM_STEP_NUM_TASKS"),
+    ({"PMI_RANK": "x", "PMI_SIZE": "2"}, "not the rank"),
+])
+def test_a_half_described_launch_is_a_clear_error(env, says, tmp_path):
+    """From the bench's command line, before any waiting: exit 2 and the variable that is
+    missing, not a rank that waits for peers until the group's timeout."""
+    out = subprocess.run([sys.executable, "-m", "commlab.allreduce_bench", "-b", "8", "-e", "8"],
+                         env=clean_launch_env(**env), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "commlab:" in out.stderr and says in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_rendezvous(bare_env):
+    m = bare_env
+    one_host = Launch("mpi", 1, 4, 1, 4, "MPICH (hydra)", None, "job-7")
+    m.setitem(sys.modules, "mpi4py", None)  # not installed
+    assert launch.rendezvous(one_host) == ("127.0.0.1", str(launch.job_port("job-7")))
+    assert 20000 <= launch.job_port("job-7") < 40000
+    m.setenv("MASTER_PORT", "29400")
+    assert launch.rendezvous(one_host) == ("127.0.0.1", "29400")
+    two_hosts = Launch("mpi", 1, 4, 1, 2, "Open MPI", None, "job-7")
+    with pytest.raises(LaunchError, match="MASTER_ADDR"):
+        launch.rendezvous(two_hosts)
+    m.setenv("MASTER_ADDR", "10.0.0.1")
+    assert launch.rendezvous(two_hosts) == ("10.0.0.1", "29400")
+    m.delenv("MASTER_ADDR")
+    m.delenv("MASTER_PORT")
+    slurm = Launch("slurm", 5, 8, 1, 4, "Slurm (srun)", "gpu007", "4242.0")
+    assert launch.rendezvous(slurm) == ("gpu007", str(launch.job_port("4242.0")))
+
+
+def test_mpi_is_initialised_only_with_the_launchers_library(bare_env):
+    """MPICH's MPI_Init under Open MPI's mpiexec aborts the process: the library is asked
+    before MPI_Init, and a mismatch is a reason, not a crash."""
+    m = bare_env
+    inits = []
+
+    class Comm:
+        def Get_size(self):
+            return 4
+
+        def Get_rank(self):
+            return 1
+
+    mpi = types.SimpleNamespace(COMM_WORLD=Comm(), THREAD_MULTIPLE=3, Is_initialized=lambda: bool(inits),
+                                Init_thread=inits.append, Get_library_version=lambda: "MPICH Version: 5.0.2\nmore")
+    pkg = types.SimpleNamespace(rc=types.SimpleNamespace(initialize=True, finalize=None), MPI=mpi)
+    m.setitem(sys.modules, "mpi4py", pkg)
+    m.delitem(sys.modules, "mpi4py.MPI", raising=False)
+    got, why = launch.mpi_world(Launch("mpi", 1, 4, 1, 4, "Open MPI", None, "j"))
+    assert got is None and "Open MPI" in why and "MPI4PY_LIBMPI" in why and not inits
+    assert pkg.rc.initialize is False  # imported without MPI_Init
+    m.setattr(launch, "_mpi", None)
+    got, why = launch.mpi_world(Launch("mpi", 1, 4, 1, 4, "MPICH (hydra)", None, "j"))
+    assert got is mpi and why is None and inits == [3]
+    m.setattr(launch, "_mpi", None)
+    got, why = launch.mpi_world(Launch("mpi", 1, 8, 1, 8, "MPICH (hydra)", None, "j"))
+    assert got is None and "not this job's" in why
+
+
+# -- the benchmark under each real launcher -------------------------------------------------
+
+BENCH = ["-m", "commlab.allreduce_bench", "-b", "4K", "-e", "64K", "-f", "4", "--algorithms", "builtin,ring,shm",
+         "--budget", "0.02", "--rounds", "1", "--max-iters", "20", "--quiet"]
+
+
+def _launcher(kind: str) -> str | None:
+    """MPICH's and Open MPI's launchers from their pip packages: Open MPI's takes the name
+    mpiexec, MPICH's stays as mpiexec.hydra."""
+    for name in {"mpich": ("mpiexec.hydra", "mpiexec"), "openmpi": ("mpiexec", "mpirun")}[kind]:
+        path = shutil.which(name)
+        if path is None:
+            continue
+        try:
+            v = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if ("HYDRA" in v) if kind == "mpich" else ("Open MPI" in v):
+            return path
+    return None
+
+
+def _table(doc: dict) -> list[tuple]:
+    return sorted((r["algorithm"], r["bytes"], r["dtype"], r["op"]) for r in doc["results"]
+                  if not r["algorithm"].startswith("mpi"))
+
+
+def _bench(cmd: list[str], out, env: dict, cwd) -> dict:
+    p = subprocess.run(cmd + ["--json", str(out)], env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["env"]["world_size"] == 4
+    assert all(r["wrong"] == 0 for r in doc["results"]), doc["results"]
+    return doc
+
+
+@pytest.fixture(scope="module")
+def torchrun_table(tmp_path_factory):
+    d = tmp_path_factory.mktemp("torchrun")
+    doc = _bench([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4"] + BENCH, d / "t.json",
+                 clean_launch_env(), d)
+    assert doc["env"]["launcher"] == "torchrun"
+    return _table(doc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mpich", "openmpi"])
+@pytest.mark.parametrize("with_mpi4py", [True, False], ids=["mpi4py", "env-only"])
+def test_mpiexec_gives_torchruns_table(kind, with_mpi4py, torchrun_table, tmp_path):
+    """`mpiexec -n 4 python -m commlab.allreduce_bench`: the same rows as torchrun's, every
+    result checked; with mpi4py (the address through MPI; an mpi4py of the other library
+    is declined, not a crash) and without it (the launcher's variables alone)."""
+    path = _launcher(kind)
+    if path is None:
+        pytest.skip(f"no {kind} launcher (pip install {kind})")
+    env = clean_launch_env()
+    if not with_mpi4py:
+        (tmp_path / "mpi4py.py").write_text("raise ImportError('hidden by the test')\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    elif kind == "mpich":
+        pytest.importorskip("mpi4py")
+    cmd = [path] + (["--allow-run-as-root", "--oversubscribe"] if kind == "openmpi" else []) + ["-n", "4"]
+    if kind == "openmpi" and not with_mpi4py:
+        cmd += ["-x", "PYTHONPATH"]
+    doc = _bench(cmd + [sys.executable] + BENCH, tmp_path / "m.json", env, tmp_path)
+    assert doc["env"]["launcher"] == {"mpich": "MPICH (hydra)", "openmpi": "Open MPI"}[kind]
+    assert _table(doc) == torchrun_table
+    if kind == "mpich" and with_mpi4py:
+        assert any(r["algorithm"] == "mpi:mpich" for r in doc["results"])  # the MPI peer in the same run
+
+
+@pytest.mark.slow
+def test_srun_environment_gives_torchruns_table(torchrun_table, tmp_path):
+    """Four processes with the variables srun gives its tasks (no Slurm here): rank 0's
+    host from the node list, the port from the job's id."""
+    base = clean_launch_env(SLURM_JOB_ID="777", SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="4", SLURM_NODEID="0",
+                            SLURM_STEP_TASKS_PER_NODE="4", SLURM_STEP_NODELIST="localhost", SLURM_JOB_NODELIST="localhost")
+    procs = []
+    for r in range(4):
+        env = dict(base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r))
+        out = tmp_path / f"s{r}.json"
+        procs.append((subprocess.Popen([sys.executable] + BENCH + ["--json", str(out)], env=env, cwd=tmp_path,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
+    logs = [p.communicate(timeout=300)[0] for p, _ in procs]
+    assert all(p.returncode == 0 for p, _ in procs), "\n".join(logs)[-4000:]
+    doc = json.loads(procs[0][1].read_text())
+    assert doc["env"]["launcher"] == "Slurm (srun)" and doc["env"]["world_size"] == 4
+    assert all(r["wrong"] == 0 for r in doc["results"])
+    assert _table(doc) == torchrun_table
