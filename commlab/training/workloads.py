@@ -1,7 +1,11 @@
-"""Synthetic training workloads with a tunable parameter count, so the ratio of
-communication to computation can be dialled (no downloads, no torchvision needed)."""
+"""Training workloads: synthetic ones with a tunable parameter count, so the ratio of
+communication to computation can be dialled (no downloads, no torchvision needed), any
+torchvision classifier, and the user's own model from a factory (`package.module:factory`)."""
 from __future__ import annotations
 
+import importlib
+import os
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -71,9 +75,106 @@ class Workload:
     loss: Callable
 
 
-def build(name: str, *, width: int = 1024, depth: int = 4) -> Workload:
+def options(args: dict) -> dict:
+    """build()'s keyword arguments from a CLI's parsed arguments."""
+    return {"width": args["width"], "depth": args["depth"], "input_shape": args.get("input_shape")}
+
+
+def parse_shape(text: str | None) -> tuple[int, ...] | None:
+    """--input-shape "3,224,224" -> (3, 224, 224): one sample's shape, without the batch."""
+    if not text:
+        return None
+    try:
+        shape = tuple(int(d) for d in text.replace("x", ",").split(",") if d.strip())
+    except ValueError:
+        raise ValueError(f"--input-shape takes one sample's dimensions, e.g. 3,224,224 (got {text!r})") from None
+    if not shape or min(shape) <= 0:
+        raise ValueError(f"--input-shape needs positive dimensions (got {text!r})")
+    return shape
+
+
+def load_factory(spec: str) -> Callable:
+    """`package.module:factory` (the factory may be a dotted attribute path) -> the callable.
+    The working directory is searched too, as `python -m` does for the main process."""
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ValueError(f"--model {spec!r}: a factory is named package.module:function")
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if os.getcwd() in sys.path or not (e.name or "").startswith(module.split(".")[0]):
+            raise ValueError(f"--model {spec!r}: cannot import {module!r} ({e})") from None
+        sys.path.insert(0, os.getcwd())
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e2:
+            raise ValueError(f"--model {spec!r}: cannot import {module!r} ({e2})") from None
+    obj = mod
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"--model {spec!r}: {module} has no {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"--model {spec!r}: {attr} is not callable")
+    return obj
+
+
+def _made(spec: str, made) -> tuple[nn.Module, torch.Tensor | None]:
+    if isinstance(made, nn.Module):
+        return made, None
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module) and isinstance(made[1], torch.Tensor):
+        return made
+    raise ValueError(f"--model {spec!r}: the factory must return an nn.Module, or (module, example input batch); "
+                     f"it returned {type(made).__name__}")
+
+
+def user_model(spec: str, input_shape: tuple[int, ...] | None = None) -> Workload:
+    """The user's model: the factory's module, inputs of --input-shape (float32) or of the
+    example batch the factory returned (its dtype; integers drawn below its maximum + 1, as
+    token ids), targets of the output's shape and an MSE loss: a training step of the
+    model's own size and shape, on synthetic data."""
+    factory = load_factory(spec)
+    model, example = _made(spec, factory())
+    if input_shape is not None:
+        shape, dtype, high = tuple(input_shape), torch.float32, None
+    elif example is not None and example.dim() >= 1:
+        shape, dtype = tuple(example.shape[1:]), example.dtype
+        # Ids on meta (predict's trace) have no values, and need none.
+        high = None if dtype.is_floating_point else (1 if example.is_meta else int(example.max()) + 1)
+    else:
+        raise ValueError(f"--model {spec!r}: give one sample's shape with --input-shape (e.g. 3,224,224), or have "
+                         "the factory return (module, example input batch)")
+
+    def inputs(bs, g):
+        if high is None:
+            return torch.randn(bs, *shape, generator=g, dtype=dtype if dtype.is_floating_point else torch.float32)
+        return torch.randint(0, high, (bs, *shape), generator=g, dtype=dtype)
+
+    # The output's shape from a forward on meta tensors: no memory, no compute.
+    with torch.device("meta"):
+        probe, _ = _made(spec, factory())
+        try:
+            out = probe(inputs(2, None).to("meta"))
+        except Exception as e:  # noqa: BLE001 - the user's model: say what failed
+            raise ValueError(f"--model {spec!r}: a forward pass on a batch of shape {(2, *shape)} failed: "
+                             f"{type(e).__name__}: {e}") from None
+    if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
+        raise ValueError(f"--model {spec!r}: the model must return one floating-point tensor (got {type(out).__name__})")
+    out_shape = tuple(out.shape[1:])
+
+    def make_batch(bs, seed):
+        g = torch.Generator().manual_seed(seed)
+        return inputs(bs, g), torch.randn(bs, *out_shape, generator=g)
+
+    return Workload(spec, model, make_batch, nn.functional.mse_loss)
+
+
+def build(name: str, *, width: int = 1024, depth: int = 4, input_shape: tuple[int, ...] | None = None) -> Workload:
     """Models by name: 'mlp' and 'transformer' built in (width/depth dial the parameter
-    count); any torchvision classification model ('resnet50', ...) when installed."""
+    count); any torchvision classification model ('resnet50', ...) when installed; the
+    user's own as 'package.module:factory' (user_model)."""
+    if ":" in name:
+        return user_model(name, input_shape)
     if name == "mlp":
         model = mlp(width=width, depth=depth)
 
@@ -93,7 +194,8 @@ def build(name: str, *, width: int = 1024, depth: int = 4) -> Workload:
     try:
         import torchvision
     except ImportError:
-        raise ValueError(f"unknown model {name!r}: built in are mlp and transformer; install torchvision for others") from None
+        raise ValueError(f"unknown model {name!r}: built in are mlp and transformer, a factory is "
+                         "package.module:function; install torchvision for its models") from None
     try:
         model = torchvision.models.get_model(name, weights=None)
     except (ValueError, KeyError) as e:

@@ -27,6 +27,7 @@ import torch
 from commlab import algorithms
 from commlab.measure import envinfo, launch
 from commlab.measure.launch import check_gpus_per_rank
+from commlab.training import workloads
 from commlab.training.compare import report, search, workers
 
 
@@ -104,7 +105,7 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
     from commlab.training.predict import model as M
 
     s = M.Setup(model=args["model"], world=world, batch_size=args["batch_size"], bucket_cap_mb=args["bucket_cap_mb"],
-                amp=args["amp"], checkpoint=args["checkpoint"], width=args["width"], depth=args["depth"])
+                amp=args["amp"], checkpoint=args["checkpoint"], **workloads.options(args))
     wanted = [m for m in modes if m == "dp" or m == "ddp" or m.startswith("ddp:")]
     if profile == "this-host":
         noop = next((m for m in measured if m["mode"] == "ddp:noop" and m["status"] == "ok"), None)
@@ -144,7 +145,11 @@ def main(argv=None) -> int:
     ap.add_argument("--world-size", type=int, default=None, help="DDP ranks (default: 4 on CPU, every GPU on CUDA)")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs for dp and ddp (default: all)")
     ap.add_argument("--modes", default=None, help="comma list, or all (default: dp, ddp, ddp:ring, ddp:ps, ddp:shm, ddp:noop, and ddp@commlab on CPU)")
-    ap.add_argument("--model", default=None, help="mlp | transformer | any torchvision model (default: mlp on CPU, resnet50 on GPU)")
+    ap.add_argument("--model", default=None, help="mlp | transformer | any torchvision model | package.module:factory "
+                    "(your own: a callable returning the module, or (module, example input batch)); default: mlp on "
+                    "CPU, resnet50 on GPU")
+    ap.add_argument("--input-shape", help="one sample's shape for a factory model, e.g. 3,224,224 (else the "
+                    "factory's example input)")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=64, help="global batch")
@@ -181,6 +186,12 @@ def main(argv=None) -> int:
     args["bucket_cap_mb"] = caps[0]
     if a.model is None:
         args["model"] = "resnet50" if a.device == "cuda" else "mlp"
+    try:
+        args["input_shape"] = workloads.parse_shape(a.input_shape)
+        with torch.device("meta"):  # a wrong model fails here, once, not on every rank
+            workloads.build(args["model"], **workloads.options(args))
+    except ValueError as e:
+        ap.error(str(e))
     world = a.world_size or (4 if a.device == "cpu" else (a.gpus or torch.cuda.device_count()))
     if a.device == "cuda" and not a.share_gpu:
         problem = check_gpus_per_rank(world, "nccl", torch.cuda.device_count())

@@ -77,7 +77,7 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         metrics.cap_gpu_memory(device, args["mem_limit_mb"])
     rss_before_model = psutil.Process().memory_info().rss
     torch.manual_seed(0)
-    wl = workloads.build(args["model"], width=args["width"], depth=args["depth"])
+    wl = workloads.build(args["model"], **workloads.options(args))
     model = wl.model.to(device)
     if args["checkpoint"]:
         # Inside the module DDP wraps: calling the inner module directly would bypass
@@ -183,7 +183,7 @@ def dp_process(rank: int, world: int, args: dict) -> dict:
         for d in devices:
             metrics.cap_gpu_memory(torch.device("cuda", d), args["mem_limit_mb"])
     torch.manual_seed(0)
-    wl = workloads.build(args["model"], width=args["width"], depth=args["depth"])
+    wl = workloads.build(args["model"], **workloads.options(args))
     inner = workloads.Checkpointed(wl.model) if args["checkpoint"] else wl.model
     model = torch.nn.DataParallel(inner.cuda(0), device_ids=devices)
     opt = torch.optim.SGD(model.parameters(), lr=args["lr"])

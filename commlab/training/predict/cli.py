@@ -23,6 +23,7 @@ import json
 import sys
 
 from commlab.training.compare import report
+from commlab.training import workloads
 from commlab.training.predict import model as M
 
 NOT_MODELLED = ("not modelled: kernel launch and Python overhead (DP's replica threads share one interpreter), "
@@ -34,7 +35,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hardware", required=True, help=f"a profile ({', '.join(M.profile_names())}) or a profile file")
     ap.add_argument("--gpus", type=int, default=4)
-    ap.add_argument("--model", default="resnet50", help="mlp | transformer | any torchvision model")
+    ap.add_argument("--model", default="resnet50", help="mlp | transformer | any torchvision model | "
+                    "package.module:factory (a callable returning the module, or (module, example input batch))")
+    ap.add_argument("--input-shape", help="one sample's shape for a factory model, e.g. 3,224,224")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=256, help="global batch")
@@ -53,6 +56,7 @@ def main(argv=None) -> int:
     s = M.Setup(model=a.model, world=a.gpus, batch_size=a.batch_size, bucket_cap_mb=a.bucket_cap_mb, amp=a.amp,
                 checkpoint=a.checkpoint, width=a.width, depth=a.depth)
     try:
+        s.input_shape = workloads.parse_shape(a.input_shape)
         steps = M.Steps(s)
     except ValueError as e:
         ap.error(str(e))

@@ -83,11 +83,12 @@ _FREE = {_aten.detach, _aten.empty, _aten.empty_like, _aten.zeros_like, _aten.li
 _MM = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.matmul}
 
 
-def trace(model_name: str, batch: int, *, width: int = 1024, depth: int = 4, checkpoint: bool = False) -> Step:
+def trace(model_name: str, batch: int, *, width: int = 1024, depth: int = 4, checkpoint: bool = False,
+          input_shape: tuple[int, ...] | None = None) -> Step:
     """One step (forward, loss, backward, SGD step as compare's) at `batch` samples, in
     fp32 on meta (autocast does not reach meta tensors: the model applies AMP)."""
     with torch.device("meta"):
-        w = workloads.build(model_name, width=width, depth=depth)
+        w = workloads.build(model_name, width=width, depth=depth, input_shape=input_shape)
         model = w.model
         if checkpoint:
             model = workloads.Checkpointed(model)

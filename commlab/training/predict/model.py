@@ -75,6 +75,7 @@ class Setup:
     checkpoint: bool = False
     width: int = 1024
     depth: int = 4
+    input_shape: tuple[int, ...] | None = None  # a factory model's sample shape (workloads.user_model)
 
 
 class Steps:
@@ -85,7 +86,7 @@ class Steps:
     gradients, not the activations, make the peak)."""
 
     def __init__(self, s: Setup):
-        kw = dict(width=s.width, depth=s.depth, checkpoint=s.checkpoint)
+        kw = dict(width=s.width, depth=s.depth, checkpoint=s.checkpoint, input_shape=s.input_shape)
         self.b = max(1, s.batch_size // s.world)
         self.one, self.two = trace(s.model, self.b, **kw), trace(s.model, 2 * self.b, **kw)
         if len(self.one.ops) != len(self.two.ops):
