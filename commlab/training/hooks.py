@@ -19,10 +19,12 @@ CollectiveMismatchError on every rank, not a job-wide hang in the next new_group
 """
 
 
+import atexit
 import json
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -108,6 +110,17 @@ class BucketStats:
 
 
 _bind_lock = threading.Lock()
+# States with a running thread: closed at exit, while the interpreter still runs (a
+# script that ends without close() otherwise had its thread and group torn down during
+# interpreter shutdown, which aborted it 1 time in 6: "terminate called without an
+# active exception").
+_live: "weakref.WeakSet[CommState]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_states() -> None:
+    for state in list(_live):
+        state.close()
 _bindings = 0  # states bound by this process so far: the handshake's key
 
 
@@ -192,6 +205,7 @@ class CommState:
             if self.member:
                 self._thread = threading.Thread(target=self._loop, name=f"commlab-hook-{self.algorithm}", daemon=True)
                 self._thread.start()
+                _live.add(self)
             self.bound = True
 
     def _parent_ranks(self) -> list[int] | None:
@@ -306,6 +320,7 @@ class CommState:
 
     def close(self) -> None:
         """Stop the communication thread and free the state's own process group."""
+        _live.discard(self)
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(5)
