@@ -91,6 +91,7 @@ def layout_check(rank, p, hosts):
     ([0, 1, 2, 3], doctor.PASS, ["hier = builtin across the hosts", "auto on CPU tensors: builtin"]),
     ([0, 0, 0, 0], doctor.PASS, ["1 host(s), 4 ranks", "hier = shm on this host", "auto on CPU tensors: shm"]),
 ])
+@pytest.mark.slow
 def test_doctor_reports_the_host_layout_and_hiers_path(ranks, hosts, status, says):
     got = ranks.run(4, layout_check, hosts)
     assert all(g == got[0] for g in got), got  # every rank sees the same layout
@@ -101,6 +102,7 @@ def test_doctor_reports_the_host_layout_and_hiers_path(ranks, hosts, status, say
         assert "not numbered host by host" in got[0][2]
 
 
+@pytest.mark.slow
 def test_doctor_under_torchrun_checks_the_jobs_ranks():
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -251,6 +251,7 @@ leave()
 '''
 
 
+@pytest.mark.slow
 def test_lightning_ddp_strategy_on_the_commlab_backend(tmp_path):
     pytest.importorskip("pytorch_lightning")
     import json

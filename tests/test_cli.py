@@ -23,7 +23,8 @@ def _run(args, timeout=240):
                           timeout=timeout)
 
 
-@pytest.mark.parametrize("op,dtype", [("sum", "float"), ("avg", "int32"), ("max", "bfloat16")])
+@pytest.mark.parametrize("op,dtype", [("sum", "float"), pytest.param("avg", "int32", marks=pytest.mark.slow),
+                                      pytest.param("max", "bfloat16", marks=pytest.mark.slow)])
 def test_bench_cli_spawn_json(tmp_path, op, dtype):
     out = tmp_path / "r.json"
     csv = tmp_path / "r.csv"
@@ -45,6 +46,7 @@ def test_bench_cli_spawn_json(tmp_path, op, dtype):
     assert csv.read_text().startswith("algorithm,bytes,count")
 
 
+@pytest.mark.slow
 def test_bench_on_the_commlab_backend_measures_it_beside_gloo(tmp_path):
     """--backend commlab: every algorithm right on a commlab world group, and a
     builtin@commlab row (dist.all_reduce as unchanged training code calls it)."""
@@ -98,6 +100,7 @@ def test_units():
         parse_bytes("12Q")
 
 
+@pytest.mark.slow
 def test_bench_suite_smoke():
     """pytest bench/ with benchmarks disabled: every benchmark body runs once."""
     proc = _run(["-m", "pytest", "bench/", "-q", "--benchmark-disable", "-k", "4K or kernels", "-p", "no:cacheprovider"],
@@ -163,6 +166,7 @@ def test_isolated_calls_start_from_the_rows_own_barrier(ranks):
         assert timed == ["barrier", "call"] * 4, events
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["allreduce_bench", "compare", "advise", "doctor", "costmodel"])
 def test_entry_points_run_without_docstrings(module):
     """python -OO strips docstrings; no entry point may depend on one."""
@@ -229,6 +233,7 @@ def test_the_mpi_anchor_names_its_library_and_stages_cuda_tensors(monkeypatch):
     assert "bfloat16" in rows.mpi_row(torch.bfloat16, Op.SUM, torch.device("cpu"))  # a reason, not a row
 
 
+@pytest.mark.slow
 def test_memory_floor_is_a_lower_bound(tmp_path):
     """An efficiency above 100 % would be a bug in the floor: it is measured with every
     rank streaming at once (4 ranks share the 2 cores here), at the working-set size."""
@@ -255,6 +260,7 @@ def test_memory_floor_takes_the_larger_bound():
     assert costmodel.memory_floor_us(t, 10.0, 2.0) == pytest.approx(2500.0)
 
 
+@pytest.mark.slow
 def test_small_message_floor_is_measured_and_below_every_row(tmp_path):
     """The 4 KiB floor (handoff + copy, + a switch per extra rank on a core) is measured
     in the run, every row's time is a multiple >= 1 of it, and the ping-pong segments

@@ -11,6 +11,7 @@ MODE_KEYS = {"mode", "status", "reason", "iter_ms", "samples_per_s", "peak_memor
              "grad_sync_ms", "final_loss"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [["--predict", "this-host"], ["--accum-steps", "2", "--amp", "bf16", "--checkpoint"]])
 def test_compare_cpu_modes(tmp_path, extra):
     out = tmp_path / "c.json"
@@ -77,6 +78,7 @@ def test_find_max_batch_search(limit, start):
     assert len(probes) <= 20
 
 
+@pytest.mark.slow
 def test_emulated_memory_limit_on_cpu(tmp_path):
     out = tmp_path / "c.json"
     cmd = [sys.executable, "-m", "commlab.compare", "--device", "cpu", "--world-size", "2", "--modes", "ddp,ddp:shm",

@@ -55,6 +55,7 @@ def test_a_noisy_fit_still_predicts_held_out_sizes(tmp_path):
     assert all(e["median_rel_err"] < 0.1 for e in h["sizes"].values()), h["sizes"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("link,gbps", [("10gbit:20us", 1.25)])
 def test_topology_prediction_names_the_fastest_and_its_crossovers(tmp_path, link, gbps):
     out = tmp_path / "pred.json"

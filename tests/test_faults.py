@@ -15,6 +15,11 @@ from commlab.core import ext as _ext
 PURE = [a for a in commlab.algorithms.for_device("cpu") if not a.startswith("shm")]
 
 
+def quick_for(names, quick=("ring", "shm")):
+    """Every algorithm in the full suite; the quick tier keeps one per transport."""
+    return [n if n in quick else pytest.param(n, marks=pytest.mark.slow) for n in names]
+
+
 def mismatches(rank, p):
     os.environ["COMMLAB_CHECK"] = "1"
     out = {}
@@ -96,7 +101,7 @@ def peer_dies(rank, p, algorithm, victim):
     return {"type": None}
 
 
-@pytest.mark.parametrize("algorithm", PURE)
+@pytest.mark.parametrize("algorithm", quick_for(PURE))
 def test_dead_peer_gives_errors_not_hangs(algorithm):
     pool = RankPool(3, pg_timeout_s=10)
     res = pool.outcomes(peer_dies, algorithm, 1, timeout=60)
@@ -244,7 +249,7 @@ def killed_mid_collective(rank, p, algorithm, victim, delay_s):
     return {"type": None, "calls": calls}
 
 
-@pytest.mark.parametrize("algorithm", commlab.algorithms.for_device("cpu"))
+@pytest.mark.parametrize("algorithm", quick_for(commlab.algorithms.for_device("cpu")))
 def test_rank_killed_inside_a_collective(algorithm):
     # A delay per algorithm, fixed so a failure reproduces, spread so the kill lands at
     # different phases of a call.

@@ -88,6 +88,7 @@ def inter_stage_fails(rank, p):
         del os.environ["COMMLAB_HOST_ID"]  # the pool is retired after this test (outcomes)
 
 
+@pytest.mark.slow
 def test_a_failed_inter_host_stage_reaches_the_hosts_other_ranks_at_once():
     from ranks import RankPool
 

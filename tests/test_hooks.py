@@ -360,6 +360,7 @@ leave()
 '''
 
 
+@pytest.mark.slow
 def test_lightning_ddp_strategy_with_a_state_built_first(tmp_path):
     pytest.importorskip("pytorch_lightning")
     import json

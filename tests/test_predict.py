@@ -1,6 +1,7 @@
 """commlab.predict: the traced step (FLOPs, gradient order, memory facts), DDP's
 buckets as torch makes them, the roofline and link arithmetic on a profile, DP's
 device-0 extras, every profile's sources, the CLI and compare's --predict columns."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +15,9 @@ from commlab.training.predict import model as M
 from commlab.training.predict.graph import trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The article's model: an optional package; without it these tests say so and skip.
+needs_torchvision = pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
+                                       reason="needs torchvision for resnet50 (pip install torchvision)")
 
 
 def test_the_trace_counts_an_mlps_flops_exactly_and_sees_every_gradient():
@@ -44,18 +48,20 @@ def test_copies_move_bytes_in_the_roofline():
     assert all(o.flops == 0 and o.kind == "" for o in rec.ops)
 
 
-def test_the_peak_follows_what_checkpointing_recomputes():
+@pytest.mark.parametrize("name,batch,smaller", [("mlp", 8192, True),
+                                                pytest.param("resnet50", 16, False, marks=needs_torchvision)])
+def test_the_peak_follows_what_checkpointing_recomputes(name, batch, smaller):
     """The step's peak of live bytes, not a sum of saved tensors: checkpointing a
     Sequential in two segments cuts it; checkpointing a whole model (resnet50 is not
     Sequential) recomputes everything in backward and cuts nothing."""
-    for name, batch, smaller in (("mlp", 8192, True), ("resnet50", 16, False)):
-        plain, ck = trace(name, batch, width=256, depth=8), trace(name, batch, width=256, depth=8, checkpoint=True)
-        assert plain.peak_bytes >= plain.activation_bytes
-        assert ck.activation_bytes < plain.activation_bytes  # fewer tensors saved in forward, either way
-        assert (ck.peak_bytes < 0.8 * plain.peak_bytes) == smaller, (name, ck.peak_bytes, plain.peak_bytes)
+    plain, ck = trace(name, batch, width=256, depth=8), trace(name, batch, width=256, depth=8, checkpoint=True)
+    assert plain.peak_bytes >= plain.activation_bytes
+    assert ck.activation_bytes < plain.activation_bytes  # fewer tensors saved in forward, either way
+    assert (ck.peak_bytes < 0.8 * plain.peak_bytes) == smaller, (name, ck.peak_bytes, plain.peak_bytes)
 
 
-@pytest.mark.parametrize("name,cap", [("resnet50", 25), ("resnet50", 5), ("transformer", 25), ("mlp", 1)])
+@pytest.mark.parametrize("name,cap", [pytest.param("resnet50", 25, marks=needs_torchvision),
+                                      pytest.param("resnet50", 5, marks=needs_torchvision), ("transformer", 25), ("mlp", 1)])
 def test_buckets_are_the_ones_ddps_reducer_rebuilds(name, cap):
     st = trace(name, 1)
     order = M.ready_order(st)
@@ -95,6 +101,7 @@ def test_a_profile_prices_compute_and_links_from_its_own_numbers():
     assert (ddp["peak_memory_mb"][0] - noop["peak_memory_mb"][0]) * 2**20 == pytest.approx(st.param_bytes)
 
 
+@needs_torchvision
 def test_a_faster_link_shrinks_only_communication():
     s = M.Setup("resnet50", world=4, batch_size=128)
     steps = M.Steps(s)
@@ -119,6 +126,7 @@ def test_every_profile_cites_its_numbers(name):
         M.load_profile("no-such-card")
 
 
+@needs_torchvision
 def test_max_batch_is_the_largest_that_fits():
     s = M.Setup("resnet50", world=4, batch_size=64)
     steps = M.Steps(s)
@@ -132,6 +140,7 @@ def test_max_batch_is_the_largest_that_fits():
         assert mem[0] * 2**20 <= limit < mem[1] * 2**20
 
 
+@needs_torchvision
 def test_predict_cli_prints_the_seeds_table_and_json(tmp_path):
     out = tmp_path / "p.json"
     proc = subprocess.run([sys.executable, "-m", "commlab.predict", "--hardware", "rtx4090-pcie4", "--gpus", "4",

@@ -212,7 +212,7 @@ def dies_mid_run(rank, p, algorithm, victim):
 
 
 @pytest.mark.parametrize("algorithm", SHM_ALGORITHMS)
-@pytest.mark.parametrize("victim", [0, 2])
+@pytest.mark.parametrize("victim", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_dead_peer_is_named_not_waited_for(ranks, algorithm, victim):
     pool = ranks.get(3)
     res = pool.outcomes(dies_mid_run, algorithm, victim, timeout=60)

@@ -50,6 +50,7 @@ def soak(rank, p, algorithm, calls):
 SHORT = {"rhd", "rd", "direct", "ps", "ps_sharded", "builtin"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", commlab.algorithms.for_device("cpu"))
 def test_ten_thousand_calls_without_growth(ranks, algorithm):
     calls = min(CALLS, 4000) if algorithm in SHORT else CALLS

@@ -14,6 +14,8 @@ import pytest
 
 import commlab
 
+pytestmark = pytest.mark.slow  # torchrun across network namespaces: the full suite only
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "twohost_job.py")
 ADDR = {0: "192.0.2.1", 1: "192.0.2.2"}

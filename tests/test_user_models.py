@@ -60,6 +60,7 @@ def _run(args, tmp_path):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_compare_and_predict_take_the_users_model(tmp_path):
     out = tmp_path / "c.json"
     proc = _run(["commlab.compare", "--device", "cpu", "--world-size", "2", "--model", "tests.models:tiny_cnn",
