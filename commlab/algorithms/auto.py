@@ -62,15 +62,22 @@ class Auto(Algorithm):
         per_host = [len(m) for m in by_host([f["host"] for f in facts])]
         return _Choice(self.name, ctx, fixed=rule(device_type, per_host))
 
-    def run(self, buf, op, ctx):
+    def _choice(self, device_type: str, ctx: Context) -> "_Choice":
         choices = ctx.transport  # {device type: _Choice}, per plan
         if choices is None:
             choices = ctx.transport = {}
-        key = buf.device.type
-        choice = choices.get(key)
+        choice = choices.get(device_type)
         if choice is None:
-            choice = choices[key] = self.decide(key, ctx)
-        alg, inner = choice.algorithm(buf.numel() * buf.element_size(), buf, op)
+            choice = choices[device_type] = self.decide(device_type, ctx)
+        return choice
+
+    def checks_calls(self, buf, ctx):
+        # Only where every algorithm it may pick does: a tuning table that picks shm for
+        # small sizes and builtin for large ones would let a size mismatch straddle them.
+        return self._choice(buf.device.type, ctx).checks_calls(buf)
+
+    def run(self, buf, op, ctx):
+        alg, inner = self._choice(buf.device.type, ctx).algorithm(buf.numel() * buf.element_size(), buf, op)
         alg.run(buf, op, inner)
 
     @staticmethod
@@ -87,6 +94,12 @@ class _Choice:
     def __init__(self, label: str, ctx: Context, fixed: str | None = None, table: tuning.Table | None = None):
         self.label, self.ctx, self.fixed, self.table = label, ctx, fixed, table
         self.ready: dict[str, tuple[Algorithm, Context]] = {}
+
+    def checks_calls(self, buf) -> bool:
+        from commlab import algorithms
+
+        names = [self.fixed] if self.fixed else sorted(set(self.table.names))
+        return all(algorithms.get(n).checks_calls(buf, Context(info=self.ctx.info, p2p=self.ctx.p2p)) for n in names)
 
     def algorithm(self, nbytes: int, buf, op) -> tuple[Algorithm, Context]:
         name = self.fixed or self.table.pick(nbytes)

@@ -117,6 +117,14 @@ class Algorithm:
         buf.numel() > 0 and ctx.size > 1). Every rank must end bitwise identical."""
         raise NotImplementedError
 
+    def checks_calls(self, buf: torch.Tensor, ctx: Context) -> bool:
+        """Whether this algorithm's transport itself makes ranks that call differently
+        fail alike before any wrong byte lands (shared memory and CUDA IPC compare call
+        records). When it does not — point-to-point steps, the backend's own collective —
+        the API has every rank agree on the call first (P2P.agree). Collective: every
+        rank asks at the same point of its first call of a plan."""
+        return False
+
     def fast_call(self, tensor: torch.Tensor, op: Op, ctx: Context):
         """For transports that can run a whole call below Python: a callable(tensor) ->
         bool that reduces a tensor like `tensor` (same dtype and device, contiguous) in

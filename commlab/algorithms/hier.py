@@ -77,10 +77,19 @@ class Hierarchical(Algorithm):
     def unsupported(self, tensor, op, info):
         return shm.unsupported(info)
 
+    def checks_calls(self, buf, ctx):
+        # One host is shm's; across hosts the link stage is point-to-point, and a size
+        # that differs between hosts would only show there, after shm moved bytes.
+        return self._layout(ctx).hosts == 1
+
+    @staticmethod
+    def _layout(ctx):
+        if ctx.transport is None:  # collective, on the first call of each plan (every rank's first alike)
+            ctx.transport = _layouts.get(ctx.info.group)
+        return ctx.transport
+
     def run(self, buf, op, ctx):
-        layout = ctx.transport
-        if layout is None:  # collective, on the first call of each plan (every rank's first alike)
-            layout = ctx.transport = _layouts.get(ctx.info.group)
+        layout = self._layout(ctx)
         if layout.hosts == 1:
             shm.all_reduce(buf, op, shm.Mode.AUTO, ctx.info, self.name)
             return

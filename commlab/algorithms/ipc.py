@@ -30,6 +30,9 @@ class CudaIpc(Algorithm):
             return "commlab._C was built without CUDA kernels (no CUDA toolkit at build time, or COMMLAB_NO_CUDA=1)"
         return None
 
+    def checks_calls(self, buf, ctx):
+        return True  # each rank's call record is compared after the first barrier
+
     def run(self, buf, op, ctx):
         ipc.all_reduce(buf, int(op), self.mode, ctx.info, self.name)
 

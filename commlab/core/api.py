@@ -11,7 +11,7 @@ from commlab.algorithms.base import Context
 from commlab.core import groups, lanes
 from commlab.core.errors import CollectiveMismatchError, UnsupportedError
 from commlab.core.reduction import SUPPORTED_DTYPES, Op, finish_average_, parse_op
-from commlab.transports.p2p import P2P
+from commlab.transports.p2p import P2P, CallRecord
 
 
 def algorithm_names() -> list[str]:
@@ -73,6 +73,7 @@ class _Plan:
         self.check = checking_enabled()
         self.op_key = op_key  # the caller's op object this plan is cached under
         self.fast = None  # the algorithm's fast call, where it has one and the call allows it
+        self.agree = None  # whether every call is agreed first (P2P.agree): decided on the first call
 
     def live(self) -> bool:
         return self.info.alive()
@@ -80,7 +81,14 @@ class _Plan:
     def execute(self, tensor: torch.Tensor) -> None:
         if self.check and self.info.size > 1:
             _check_match(self, tensor)
-        if self.info.size == 1 or tensor.numel() == 0:
+        if self.info.size == 1:
+            return
+        if self.agree is None:  # collective: every rank's first call of the plan asks here
+            self.agree = not self.alg.checks_calls(tensor, self.ctx)
+        if self.agree:  # an empty call too: its peers may not be empty
+            self.ctx.p2p.agree(CallRecord("all_reduce", tensor.numel(), tensor.dtype, self.reduce_op, self.alg.name),
+                               algorithms.names())
+        if tensor.numel() == 0:
             return
         # Algorithms work on one flat contiguous buffer; a strided caller's view gets
         # the result copied back, like gloo does for non-dense inputs.

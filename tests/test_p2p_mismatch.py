@@ -1,0 +1,82 @@
+"""Ranks that call differently on the point-to-point transport (every pure algorithm,
+gloo's own all-reduce behind `builtin`, hier's link stage): the same
+CollectiveMismatchError on every rank within seconds, before any byte of the call moves —
+never a rank that returns with wrong data, never a process aborted by gloo's size check.
+
+Before the call record was agreed: `ps` with 1 MiB on rank 0 and 512 KiB on the others
+returned success on rank 0 (gloo let the short message land in the long receive) and
+killed ranks 1 and 2 with SIGABRT (gloo::EnforceNotMet)."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commlab
+from commlab.measure.launch import RankPool
+
+P2P_ALGORITHMS = ["ps", "ps_sharded", "ring", "rhd", "rd", "direct", "builtin"]
+MiB = 1 << 20
+
+
+def differing_call(rank, p, algorithm, what, hosts=None):
+    """Rank 0 calls differently from the others in `what`; every rank reports what it
+    raised (or the data it returned) and when."""
+    if hosts:
+        os.environ["COMMLAB_HOST_ID"] = f"h{hosts[rank]}"
+    group = dist.new_group()
+    numel, dtype, op = MiB // 8, torch.float32, dist.ReduceOp.SUM  # 512 KiB
+    if rank == 0:
+        if what == "size":
+            numel = MiB // 4  # 1 MiB
+        elif what == "dtype":
+            dtype = torch.float64
+        elif what == "op":
+            op = dist.ReduceOp.MAX
+    ok = torch.ones(16)
+    commlab.all_reduce(ok, group=group, algorithm=algorithm)  # a healthy call first: later calls are checked too
+    x = torch.ones(numel, dtype=dtype)
+    t0 = time.monotonic()
+    try:
+        commlab.all_reduce(x, op=op, group=group, algorithm=algorithm)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return {"type": type(e).__name__, "msg": str(e), "seconds": time.monotonic() - t0,
+                "first": ok[0].item()}
+    return {"type": None, "sum": float(x.double().sum()), "seconds": time.monotonic() - t0}
+
+
+def _every_rank_raises_the_same_mismatch(res, p):
+    for r in range(p):
+        assert res[r].status == "ok", f"rank {r}: {res[r].status} (alive {res[r].alive}): {res[r].error[-2000:]}"
+    got = [res[r].result for r in range(p)]
+    for r, g in enumerate(got):
+        assert g["type"] == "CollectiveMismatchError", (r, g)
+        assert g["seconds"] < 2.0, (r, g)
+        assert g["first"] == p  # the healthy call before it was right
+    assert len({g["msg"] for g in got}) == 1, [g["msg"] for g in got]  # the same text everywhere
+    return got[0]["msg"]
+
+
+@pytest.mark.parametrize("algorithm", P2P_ALGORITHMS)
+def test_a_size_mismatch_is_the_same_error_on_every_rank(algorithm):
+    res = RankPool(3, pg_timeout_s=30).outcomes(differing_call, algorithm, "size", timeout=60)
+    msg = _every_rank_raises_the_same_mismatch(res, 3)
+    assert "rank 0: all_reduce of 262144 float32 SUM" in msg and "rank 1: all_reduce of 131072 float32 SUM" in msg, msg
+    assert "caught before any data moved" in msg
+
+
+@pytest.mark.parametrize("what", ["dtype", "op"])
+@pytest.mark.parametrize("algorithm", ["ring", "builtin"])
+def test_dtype_and_op_mismatches_too(algorithm, what):
+    res = RankPool(3, pg_timeout_s=30).outcomes(differing_call, algorithm, what, timeout=60)
+    msg = _every_rank_raises_the_same_mismatch(res, 3)
+    assert {"dtype": "float64", "op": "MAX"}[what] in msg, msg
+
+
+@pytest.mark.parametrize("algorithm", ["hier", "auto"])
+def test_across_emulated_hosts(algorithm):
+    """Two hosts: shared memory inside each, the point-to-point link stage between them;
+    a size that differs between the hosts is caught before the link stage moves a byte."""
+    res = RankPool(4, pg_timeout_s=30).outcomes(differing_call, algorithm, "size", [0, 0, 1, 1], timeout=60)
+    _every_rank_raises_the_same_mismatch(res, 4)
