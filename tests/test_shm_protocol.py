@@ -132,6 +132,39 @@ def test_ctrl_c_interrupts_a_wait_and_peers_fail_fast(ranks, algorithm):
 
 
 @in_own_group
+def interrupted_in_a_first_call(rank, p, g, algorithm):
+    """Ctrl-C while the group's setup waits for a late peer (the first call on a group):
+    before, setup waited inside a gloo gather that checked no signals, and the interrupt
+    came only when the peer arrived (22 s with a peer 25 s late)."""
+    x = torch.ones(4096)
+    out = {}
+    if rank == 0:
+        with sigint_raises():
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+            t0 = time.monotonic()
+            try:
+                commlab.all_reduce(x, group=g, algorithm=algorithm)
+                out["raised"] = None
+            except KeyboardInterrupt:
+                out["raised"] = "KeyboardInterrupt"
+            out["after_signal_s"] = time.monotonic() - t0 - 0.5
+    else:
+        time.sleep(3)  # late: rank 0 is waiting in setup when the signal comes
+        out.update(_outcome(lambda: commlab.all_reduce(x, group=g, algorithm=algorithm)))
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ["shm", "ring"])
+def test_ctrl_c_interrupts_a_first_calls_setup_and_peers_fail_fast(ranks, algorithm):
+    r0, r1 = ranks.run(2, interrupted_in_a_first_call, algorithm)
+    assert r0["raised"] == "KeyboardInterrupt", r0
+    assert r0["after_signal_s"] < 1, r0
+    # The late peer finds the interrupted rank's abort mark, not a wait for the timeout.
+    assert r1["type"] == "PeerError" and "interrupted" in r1["msg"] and "rank 0" in r1["msg"], r1
+    assert r1["s"] < 2, r1
+
+
+@in_own_group
 def forked_child_calls(rank, p, g):
     x = torch.full((3000,), float(rank + 1))
     commlab.all_reduce(x, group=g, algorithm="shm")

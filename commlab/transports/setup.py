@@ -79,13 +79,52 @@ def by_host(ids: list[str]) -> list[list[int]]:
     return list(hosts.values())
 
 
+_SLICE = 0.02  # s: the longest a setup wait sleeps between looks for an abort mark or a signal
+
+
 def gather(info: GroupInfo, value, transport: str = "shm", what: str = "setup") -> list:
-    out = [None] * info.size
+    """Every rank's `value`. The gloo gather runs on a helper thread (a dead peer still
+    fails it at once) while the caller waits in slices: a signal (Ctrl-C) reaches it
+    within 20 ms, and an interrupted rank leaves an abort mark in the job's store that
+    its peers raise on, also after their gather completed against its helper. (Waiting
+    in the gloo gather itself checked no signals: Ctrl-C in a first call's setup came
+    through only when the late peer arrived, 22 s.)"""
+    out, failed, done = [None] * info.size, [], threading.Event()
+    group = info.group
+
+    def run():
+        try:
+            dist.all_gather_object(out, value, group=group)
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            failed.append(e)
+        finally:
+            done.set()
+
+    # The name marks it as commlab's own traffic (core/lanes.inside) on a commlab group.
+    threading.Thread(target=run, name=f"commlab-lane-setup-{transport}", daemon=True).start()
+    store = dist.distributed_c10d._get_default_store()
+    abort = f"commlab/setup-abort/{group.group_name}"
     try:
-        dist.all_gather_object(out, value, group=info.group)
-    except RuntimeError as e:  # a peer died or left during setup
-        raise PeerError(f"commlab[{transport}]: {what}: exchanging setup facts failed (a peer died or left?): {e}",
-                        algorithm=transport, peer=None) from None
+        pause = 50e-6
+        while not done.wait(pause):
+            if store.check([abort]):
+                break
+            pause = min(pause * 2, _SLICE)
+        if store.check([abort]):  # the interrupted rank's helper may have completed our gather
+            raise PeerError(f"commlab[{transport}]: {what}: {store.get(abort).decode()}", algorithm=transport,
+                            peer=None)
+    except KeyboardInterrupt:
+        try:
+            store.set(abort, f"rank {info.global_rank(info.rank)} was interrupted (Ctrl-C) during {what}")
+        finally:
+            raise
+    except RuntimeError as e:
+        if isinstance(e, CommlabError):
+            raise
+        failed.append(e)  # the store failed: rank 0, which serves it, is gone
+    if failed:
+        raise PeerError(f"commlab[{transport}]: {what}: exchanging setup facts failed (a peer died or left?): "
+                        f"{failed[0]}", algorithm=transport, peer=None) from None
     return out
 
 
