@@ -56,6 +56,7 @@ def test_advise_from_measurements(tmp_path):
     assert proc.returncode == 0 and "fastest: ddp" in proc.stdout and "DDP strongly recommended" in proc.stdout
 
 
+@pytest.mark.slow
 def test_doctor_cli_smoke_tests_every_algorithm():
     import commlab
 

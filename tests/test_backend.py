@@ -163,6 +163,7 @@ def sub_groups_and_reinit(rank, p):
     return out
 
 
+@pytest.mark.slow
 def test_sub_groups_destroy_and_reinit_leave_nothing_behind(tmp_path):
     res = _on_fresh_ranks(3, sub_groups_and_reinit, env={"COMMLAB_TEST_STORE": str(tmp_path)}, timeout=180)
     for rank, got in enumerate(res):
@@ -336,6 +337,7 @@ print("done", flush=True)
 '''
 
 
+@pytest.mark.slow
 def test_a_script_that_destroys_its_group_exits_cleanly(tmp_path):
     """The usual end of a training script. The backend's thread held the last reference to
     the backend after its last job; Python freed the gloo groups on that daemon thread at
@@ -582,6 +584,7 @@ def detail_mismatch(rank, p):
         return f"{type(e).__name__}: {e}"
 
 
+@pytest.mark.slow
 def test_torch_distributed_debug_detail_checks_calls_on_a_commlab_group():
     res = _on_fresh_ranks(2, detail_mismatch, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
     # commlab's own check (torch wraps only its built-in backends): before any traffic,

@@ -61,6 +61,7 @@ def test_bench_on_the_commlab_backend_measures_it_beside_gloo(tmp_path):
     assert all(r["wrong"] == 0 for r in doc["results"]), doc["results"]
 
 
+@pytest.mark.slow
 def test_bench_cli_rejects_unknown_algorithm():
     proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "2", "--algorithms", "ring,nope", "-e", "8"])
     assert proc.returncode != 0

@@ -108,6 +108,7 @@ def test_utilization_is_one_named_metric_per_device_type():
     assert "| utilization (%): CPU time / wall, per rank | 50/52 |" in cpu, cpu
 
 
+@pytest.mark.slow
 def test_more_ranks_than_gpus_is_a_clear_error_before_anything_starts():
     proc = subprocess.run([sys.executable, "-m", "commlab.compare", "--device", "cuda", "--world-size", "4"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

@@ -249,7 +249,7 @@ def killed_mid_collective(rank, p, algorithm, victim, delay_s):
     return {"type": None, "calls": calls}
 
 
-@pytest.mark.parametrize("algorithm", quick_for(commlab.algorithms.for_device("cpu")))
+@pytest.mark.parametrize("algorithm", quick_for(commlab.algorithms.for_device("cpu"), quick=("shm",)))
 def test_rank_killed_inside_a_collective(algorithm):
     # A delay per algorithm, fixed so a failure reproduces, spread so the kill lands at
     # different phases of a call.

@@ -79,11 +79,12 @@ def test_slurm_node_lists_and_tasks_per_node():
 
 @pytest.mark.parametrize("env, says", [
     ({"WORLD_SIZE": "4"}, "RANK"),
-    ({"RANK": "0"}, "WORLD_SIZE"),
-    ({"PMI_SIZE": "4"}, "PMI_RANK"),
-    ({"OMPI_COMM_WORLD_RANK": "1"}, "OMPI_COMM_WORLD_SIZE"),
-    ({"SLURM_PROCID": "1", "SLURM_STEP_ID": "0"}, "SLURM_STEP_NUM_TASKS"),
-    ({"PMI_RANK": "x", "PMI_SIZE": "2"}, "not the rank"),
+    *[pytest.param(e, w, marks=pytest.mark.slow) for e, w in [  # each one a fresh interpreter: the full suite
+        ({"RANK": "0"}, "WORLD_SIZE"),
+        ({"PMI_SIZE": "4"}, "PMI_RANK"),
+        ({"OMPI_COMM_WORLD_RANK": "1"}, "OMPI_COMM_WORLD_SIZE"),
+        ({"SLURM_PROCID": "1", "SLURM_STEP_ID": "0"}, "SLURM_STEP_NUM_TASKS"),
+        ({"PMI_RANK": "x", "PMI_SIZE": "2"}, "not the rank")]],
 ])
 def test_a_half_described_launch_is_a_clear_error(env, says, tmp_path):
     """From the bench's command line, before any waiting: exit 2 and the variable that is

@@ -58,7 +58,8 @@ def _every_rank_raises_the_same_mismatch(res, p):
     return got[0]["msg"]
 
 
-@pytest.mark.parametrize("algorithm", P2P_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", [a if a == "ps" else pytest.param(a, marks=pytest.mark.slow)
+                                       for a in P2P_ALGORITHMS])  # the quick tier: ps, the issue's case
 def test_a_size_mismatch_is_the_same_error_on_every_rank(algorithm):
     res = RankPool(3, pg_timeout_s=30).outcomes(differing_call, algorithm, "size", timeout=60)
     msg = _every_rank_raises_the_same_mismatch(res, 3)
@@ -66,6 +67,7 @@ def test_a_size_mismatch_is_the_same_error_on_every_rank(algorithm):
     assert "caught before any data moved" in msg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["dtype", "op"])
 @pytest.mark.parametrize("algorithm", ["ring", "builtin"])
 def test_dtype_and_op_mismatches_too(algorithm, what):
@@ -74,7 +76,7 @@ def test_dtype_and_op_mismatches_too(algorithm, what):
     assert {"dtype": "float64", "op": "MAX"}[what] in msg, msg
 
 
-@pytest.mark.parametrize("algorithm", ["hier", "auto"])
+@pytest.mark.parametrize("algorithm", ["hier", pytest.param("auto", marks=pytest.mark.slow)])
 def test_across_emulated_hosts(algorithm):
     """Two hosts: shared memory inside each, the point-to-point link stage between them;
     a size that differs between the hosts is caught before the link stage moves a byte."""

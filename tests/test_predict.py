@@ -140,6 +140,7 @@ def test_max_batch_is_the_largest_that_fits():
         assert mem[0] * 2**20 <= limit < mem[1] * 2**20
 
 
+@pytest.mark.slow
 @needs_torchvision
 def test_predict_cli_prints_the_seeds_table_and_json(tmp_path):
     out = tmp_path / "p.json"

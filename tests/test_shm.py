@@ -256,6 +256,7 @@ def own_session_spin_choice(rank, p):
     return spin_choice(rank, p)
 
 
+@pytest.mark.slow
 def test_ranks_in_sched_groups_of_their_own_sleep_at_once_when_they_share_cores():
     autogroup = open("/proc/sys/kernel/sched_autogroup_enabled").read().strip() == "1" \
         if os.path.exists("/proc/sys/kernel/sched_autogroup_enabled") else False

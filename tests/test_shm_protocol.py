@@ -92,7 +92,7 @@ def mismatch_then_live_on(rank, p, g, algorithm):
     return out
 
 
-@pytest.mark.parametrize("algorithm", SHM_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", ["shm", pytest.param("shm_ps", marks=pytest.mark.slow)])
 def test_a_rank_that_gives_up_aborts_its_peers(ranks, algorithm):
     for rank, r in enumerate(ranks.run(3, mismatch_then_live_on, algorithm)):
         assert r["type"] == "CollectiveMismatchError", (rank, r)
@@ -154,7 +154,7 @@ def interrupted_in_a_first_call(rank, p, g, algorithm):
     return out
 
 
-@pytest.mark.parametrize("algorithm", ["shm", "ring"])
+@pytest.mark.parametrize("algorithm", ["shm", pytest.param("ring", marks=pytest.mark.slow)])
 def test_ctrl_c_interrupts_a_first_calls_setup_and_peers_fail_fast(ranks, algorithm):
     r0, r1 = ranks.run(2, interrupted_in_a_first_call, algorithm)
     assert r0["raised"] == "KeyboardInterrupt", r0

@@ -111,6 +111,7 @@ def test_ranks_with_different_tuning_files_fail_alike(ranks, tmp_path):
     assert got[0].startswith("CollectiveMismatchError") and "different tuning files" in got[0], got
 
 
+@pytest.mark.slow
 def test_bench_tune_writes_the_layouts_entry(tmp_path):
     f = tmp_path / "tuning.json"
     tuning.write(str(f), "cpu", 8, 2, [{"max_bytes": None, "algorithm": "builtin"}], {"command": "kept"})
