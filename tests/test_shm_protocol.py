@@ -99,14 +99,10 @@ def test_a_rank_that_gives_up_aborts_its_peers(ranks, algorithm):
         assert r["s"] < 2, (rank, r)
 
 
-@in_own_group
-def interrupted_in_a_wait(rank, p, g, algorithm):
-    x = torch.ones(4096)
-    commlab.all_reduce(x, group=g, algorithm=algorithm)  # set up
-    dist.barrier()
+def _rank0_interrupted(rank, g, algorithm, x, late_s):
+    """Rank 0 gets SIGINT 0.5 s into a call its peer joins `late_s` later; what each saw."""
     out = {}
     if rank == 0:
-        # Rank 1 is not calling: rank 0 sleeps in a wait when the signal comes.
         with sigint_raises():
             threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
             t0 = time.monotonic()
@@ -117,16 +113,28 @@ def interrupted_in_a_wait(rank, p, g, algorithm):
                 out["raised"] = "KeyboardInterrupt"
             out["after_signal_s"] = time.monotonic() - t0 - 0.5
     else:
-        time.sleep(2)
+        time.sleep(late_s)
         out.update(_outcome(lambda: commlab.all_reduce(x, group=g, algorithm=algorithm)))
     return out
 
 
+@in_own_group
+def interrupted_in_a_wait(rank, p, g, algorithm):
+    x = torch.ones(4096)
+    commlab.all_reduce(x, group=g, algorithm=algorithm)  # set up
+    dist.barrier()
+    return _rank0_interrupted(rank, g, algorithm, x, late_s=2)  # rank 0 sleeps in a wait when the signal comes
+
+
 @pytest.mark.parametrize("algorithm", SHM_ALGORITHMS)
 def test_ctrl_c_interrupts_a_wait_and_peers_fail_fast(ranks, algorithm):
-    r0, r1 = ranks.run(2, interrupted_in_a_wait, algorithm)
+    _interrupted_and_peer_failed_fast(*ranks.run(2, interrupted_in_a_wait, algorithm))
+
+
+def _interrupted_and_peer_failed_fast(r0, r1):
     assert r0["raised"] == "KeyboardInterrupt", r0
     assert r0["after_signal_s"] < 1, r0
+    # The peer finds the interrupted rank's abort mark, not a wait for the timeout.
     assert r1["type"] == "PeerError" and "interrupted" in r1["msg"] and "rank 0" in r1["msg"], r1
     assert r1["s"] < 2, r1
 
@@ -136,32 +144,12 @@ def interrupted_in_a_first_call(rank, p, g, algorithm):
     """Ctrl-C while the group's setup waits for a late peer (the first call on a group):
     before, setup waited inside a gloo gather that checked no signals, and the interrupt
     came only when the peer arrived (22 s with a peer 25 s late)."""
-    x = torch.ones(4096)
-    out = {}
-    if rank == 0:
-        with sigint_raises():
-            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-            t0 = time.monotonic()
-            try:
-                commlab.all_reduce(x, group=g, algorithm=algorithm)
-                out["raised"] = None
-            except KeyboardInterrupt:
-                out["raised"] = "KeyboardInterrupt"
-            out["after_signal_s"] = time.monotonic() - t0 - 0.5
-    else:
-        time.sleep(3)  # late: rank 0 is waiting in setup when the signal comes
-        out.update(_outcome(lambda: commlab.all_reduce(x, group=g, algorithm=algorithm)))
-    return out
+    return _rank0_interrupted(rank, g, algorithm, torch.ones(4096), late_s=3)
 
 
 @pytest.mark.parametrize("algorithm", ["shm", pytest.param("ring", marks=pytest.mark.slow)])
 def test_ctrl_c_interrupts_a_first_calls_setup_and_peers_fail_fast(ranks, algorithm):
-    r0, r1 = ranks.run(2, interrupted_in_a_first_call, algorithm)
-    assert r0["raised"] == "KeyboardInterrupt", r0
-    assert r0["after_signal_s"] < 1, r0
-    # The late peer finds the interrupted rank's abort mark, not a wait for the timeout.
-    assert r1["type"] == "PeerError" and "interrupted" in r1["msg"] and "rank 0" in r1["msg"], r1
-    assert r1["s"] < 2, r1
+    _interrupted_and_peer_failed_fast(*ranks.run(2, interrupted_in_a_first_call, algorithm))
 
 
 @in_own_group

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+
 class LaunchError(RuntimeError):
     """The environment half-describes a launch (a rank without a world size, a world
     without this process's rank, several hosts and no address for rank 0): starting

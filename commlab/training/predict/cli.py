@@ -22,8 +22,8 @@ import argparse
 import json
 import sys
 
-from commlab.training.compare import report
 from commlab.training import workloads
+from commlab.training.compare import report
 from commlab.training.predict import model as M
 
 NOT_MODELLED = ("not modelled: kernel launch and Python overhead (DP's replica threads share one interpreter), "
