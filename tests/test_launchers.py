@@ -3,13 +3,12 @@ Open MPI, MPICH's hydra and Slurm's srun; a half-described launch is a clear err
 the benchmark run under each real launcher gives the table torchrun gives."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 import types
 
 import pytest
-from ranks import clean_launch_env
+from ranks import clean_launch_env, mpi_launcher
 
 from commlab.measure import launch
 from commlab.measure.launch import Launch, LaunchError
@@ -150,22 +149,6 @@ BENCH = ["-m", "commlab.allreduce_bench", "-b", "4K", "-e", "64K", "-f", "4", "-
          "--budget", "0.02", "--rounds", "1", "--max-iters", "20", "--quiet"]
 
 
-def _launcher(kind: str) -> str | None:
-    """MPICH's and Open MPI's launchers from their pip packages: Open MPI's takes the name
-    mpiexec, MPICH's stays as mpiexec.hydra."""
-    for name in {"mpich": ("mpiexec.hydra", "mpiexec"), "openmpi": ("mpiexec", "mpirun")}[kind]:
-        path = shutil.which(name)
-        if path is None:
-            continue
-        try:
-            v = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if ("HYDRA" in v) if kind == "mpich" else ("Open MPI" in v):
-            return path
-    return None
-
-
 def _table(doc: dict) -> list[tuple]:
     return sorted((r["algorithm"], r["bytes"], r["dtype"], r["op"]) for r in doc["results"]
                   if not r["algorithm"].startswith("mpi"))
@@ -196,7 +179,7 @@ def test_mpiexec_gives_torchruns_table(kind, with_mpi4py, torchrun_table, tmp_pa
     """`mpiexec -n 4 python -m commlab.allreduce_bench`: the same rows as torchrun's, every
     result checked; with mpi4py (the address through MPI; an mpi4py of the other library
     is declined, not a crash) and without it (the launcher's variables alone)."""
-    path = _launcher(kind)
+    path = mpi_launcher(kind)
     if path is None:
         pytest.skip(f"no {kind} launcher (pip install {kind})")
     env = clean_launch_env()

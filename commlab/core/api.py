@@ -87,7 +87,7 @@ class _Plan:
             self.agree = not self.alg.checks_calls(tensor, self.ctx)
         if self.agree:  # an empty call too: its peers may not be empty
             self.ctx.p2p.agree(CallRecord("all_reduce", tensor.numel(), tensor.dtype, self.reduce_op, self.alg.name),
-                               algorithms.names())
+                               algorithms.names)
         if tensor.numel() == 0:
             return
         # Algorithms work on one flat contiguous buffer; a strided caller's view gets

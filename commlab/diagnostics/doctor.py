@@ -357,10 +357,8 @@ def main(argv=None) -> int:
                     "under a launcher (torchrun, mpiexec, srun) the job's ranks, on every host, are used instead")
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds each collective may take")
     args = ap.parse_args(argv)
-    try:
-        how = launch.detect()
-    except launch.LaunchError as e:
-        print(e, file=sys.stderr)
+    how = launch.detect_for_cli()
+    if how is None:
         return 2
     if how.kind != "single":
         checks = in_job(args.timeout)

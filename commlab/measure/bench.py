@@ -378,10 +378,8 @@ def _spawned_rank(rank: int, world: int, args) -> None:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for what --tune records
-    try:
-        how = launch.detect()
-    except launch.LaunchError as e:
-        print(e, file=sys.stderr)
+    how = launch.detect_for_cli()
+    if how is None:
         return 2
     if args.world_size and how.kind == "single":
         outcomes = launch.run_once(args.world_size, _spawned_rank, args, threads=_threads())

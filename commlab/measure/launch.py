@@ -11,6 +11,7 @@ import os
 import queue
 import re
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -152,6 +153,16 @@ def detect() -> Launch:
     return Launch("single", 0, 1, 0, 1)
 
 
+def detect_for_cli() -> Launch | None:
+    """detect() for an entry point: None after printing why the launch is half-described
+    (the caller exits 2)."""
+    try:
+        return detect()
+    except LaunchError as e:
+        print(e, file=sys.stderr)
+        return None
+
+
 def check_gpus_per_rank(local_ranks: int, backend: str, gpus: int) -> str | None:
     """Why these ranks cannot each have a GPU of their own (None when they can). NCCL
     needs one GPU per rank: ranks sharing one fail or hang inside NCCL."""
@@ -195,7 +206,7 @@ def mpi_world(launch: Launch | None = None):
     try:
         import mpi4py
 
-        if "mpi4py.MPI" not in __import__("sys").modules:
+        if "mpi4py.MPI" not in sys.modules:
             mpi4py.rc.initialize, mpi4py.rc.finalize = False, True
         from mpi4py import MPI
     except ImportError:

@@ -110,6 +110,7 @@ class BucketStats:
 
 
 _bind_lock = threading.Lock()
+_bindings = 0  # states bound by this process so far: the handshake's key
 # States with a running thread: closed at exit, while the interpreter still runs (a
 # script that ends without close() otherwise had its thread and group torn down during
 # interpreter shutdown, which aborted it 1 time in 6: "terminate called without an
@@ -121,7 +122,6 @@ _live: "weakref.WeakSet[CommState]" = weakref.WeakSet()
 def _close_live_states() -> None:
     for state in list(_live):
         state.close()
-_bindings = 0  # states bound by this process so far: the handshake's key
 
 
 def _new_group(ranks: list[int] | None, algorithm: str):

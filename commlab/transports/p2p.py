@@ -7,6 +7,7 @@ algorithm and the peer (as a global rank) it was waiting on.
 """
 from __future__ import annotations
 
+import functools
 import zlib
 
 import torch
@@ -23,9 +24,9 @@ from commlab.core.reduction import SUPPORTED_DTYPES, Op
 _failures = groups.PerGroup(lambda g: {"error": None, "calls": 0})
 
 _DTYPES = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
-_RECORD = ("call", "collective", "elements", "dtype", "op", "root", "algorithm")
 
 
+@functools.lru_cache(maxsize=None)  # a few names, asked on every agreed call
 def _code(name: str) -> int:
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
@@ -126,13 +127,14 @@ class P2P:
     def run(self, sends, recvs) -> None:
         self.post(sends, recvs).wait_all()
 
-    def agree(self, record: CallRecord, algorithms=()) -> None:
+    def agree(self, record: CallRecord, algorithms=tuple) -> None:
         """Before any byte of the call moves: every rank's record of it (call number,
         collective, elements, dtype, op, root, algorithm) gathered and compared, so ranks
         that call differently all raise the same CollectiveMismatchError instead of
         pairing mismatched messages (gloo lets a short one land in a long receive, and
         aborts the process on a long one). The record has a fixed size: the gather
-        itself can never be the mismatched message."""
+        itself can never be the mismatched message. `algorithms()` names the registered
+        algorithms, for the message only."""
         state = self._failure
         if state["error"] is not None:
             self.post([], [])  # raises the group's failure
@@ -148,7 +150,8 @@ class P2P:
             raise
         if bool((rows == rows[0]).all()):
             return
-        detail = "; ".join(f"rank {self.info.global_rank(r)}: {describe(rows[r].tolist(), algorithms)}"
+        names = algorithms()
+        detail = "; ".join(f"rank {self.info.global_rank(r)}: {describe(rows[r].tolist(), names)}"
                            for r in range(self.info.size))
         # Built from the gathered records alone: the same text on every rank.
         raise CollectiveMismatchError(f"commlab: ranks called differently (caught before any data moved): {detail}")
