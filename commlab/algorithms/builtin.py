@@ -1,4 +1,6 @@
-"""The backend's own all-reduce (gloo on CPU, NCCL on GPU): the baseline."""
+"""The backend's own all-reduce (gloo's on CPU, NCCL's on GPU): the baseline. On CPU it
+runs on the group's own gloo connection (transports/link.py): the same algorithm as
+the group's gloo, but a peer that gives up fails it at once, not at the timeout."""
 import torch.distributed as dist
 
 from commlab.core.errors import PeerError
@@ -10,7 +12,7 @@ from .ring import ring_stages
 
 class Builtin(Algorithm):
     name = "builtin"
-    summary = "torch.distributed.all_reduce of the group's backend (gloo ring on CPU, NCCL ring/tree on GPU)"
+    summary = "the backend's own all-reduce: gloo's ring on CPU (on commlab's connection), NCCL's ring/tree on GPU"
     formula = "backend-defined; modelled as ring: 2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ"
     wins_when = "the reference: NCCL on GPUs; gloo's fixed cost makes it slow for small CPU messages"
     order = 0
@@ -22,6 +24,12 @@ class Builtin(Algorithm):
         return ring_stages(self.cost(hosts * per_host, nbytes), hosts, self.name)  # gloo's allreduce is a ring
 
     def run(self, buf, op, ctx):
+        if buf.is_cpu:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = TO_TORCH[op]
+            opts.timeout = ctx.info.timeout
+            ctx.p2p.collective(lambda backend: backend.allreduce([buf], opts), "gloo's all-reduce")
+            return
         try:
             work = dist.all_reduce(buf, op=TO_TORCH[op], group=ctx.info.group, async_op=True)
             work.wait(ctx.info.timeout)

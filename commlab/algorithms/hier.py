@@ -105,10 +105,15 @@ class Hierarchical(Algorithm):
         mine = padded[layout.local * s:(layout.local + 1) * s] if layout.local < k else None
         # 1. Inside the host: each of the first k ranks ends with its shard summed over the host.
         if intra is not None:
-            if layout.local_size == k:
-                shm.reduce_scatter(mine, padded, int(op), intra, self.name)
-            else:
-                shm.all_reduce(padded, op, shm.Mode.AUTO, intra, self.name)
+            try:
+                if layout.local_size == k:
+                    shm.reduce_scatter(mine, padded, int(op), intra, self.name)
+                else:
+                    shm.all_reduce(padded, op, shm.Mode.AUTO, intra, self.name)
+            except BaseException as e:
+                if layout.inter is not None:  # the other hosts wait on us in step 2: they fail now, not at the timeout
+                    layout.inter.p2p.give_up(e)
+                raise
         # 2. Across hosts: every shard among the ranks that hold it.
         if layout.inter is not None:
             inter = layout.inter

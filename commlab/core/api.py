@@ -9,7 +9,7 @@ import torch.distributed as dist
 from commlab import algorithms
 from commlab.algorithms.base import Context
 from commlab.core import groups, lanes
-from commlab.core.errors import CollectiveMismatchError, UnsupportedError
+from commlab.core.errors import CollectiveMismatchError, PeerError, UnsupportedError
 from commlab.core.reduction import SUPPORTED_DTYPES, Op, finish_average_, parse_op
 from commlab.transports.p2p import P2P, CallRecord
 
@@ -83,6 +83,15 @@ class _Plan:
             _check_match(self, tensor)
         if self.info.size == 1:
             return
+        try:
+            self._run(tensor)
+        except (CollectiveMismatchError, UnsupportedError, PeerError):
+            raise  # raised alike on every rank, or already relayed to them
+        except BaseException as e:
+            self.ctx.p2p.give_up(e)  # its peers wait on this rank's next step: they raise now
+            raise
+
+    def _run(self, tensor: torch.Tensor) -> None:
         if self.agree is None:  # collective: every rank's first call of the plan asks here
             self.agree = not self.alg.checks_calls(tensor, self.ctx)
         if self.agree:  # an empty call too: its peers may not be empty

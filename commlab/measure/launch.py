@@ -414,6 +414,10 @@ class RankPool:
         _init_pool_group(rank, self.world_size, self._dir, self.backend, self.pg_timeout_s)
         self._collect("start", self._start_timeout_s, expect="ready")
 
+    def pid(self, rank: int) -> int:
+        """The process id of a spawned rank (fault drills signal it)."""
+        return self._procs[rank].pid
+
     def submit(self, fn: Callable, *args, **kwargs) -> None:
         """Send fn(rank, world_size, *args, **kwargs) to every spawned rank."""
         if self.broken:

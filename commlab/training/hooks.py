@@ -21,6 +21,7 @@ CollectiveMismatchError on every rank, not a job-wide hang in the next new_group
 
 import atexit
 import json
+import os
 import queue
 import threading
 import time
@@ -138,15 +139,38 @@ def _new_group(ranks: list[int] | None, algorithm: str):
     me = dist.get_rank()
     if me in ranks:
         store.set(f"commlab/commstate/{_bindings}/ready/{me}", "1")
-        store.wait([f"commlab/commstate/{_bindings}/ready/{r}" for r in ranks])
+        _wait_for(store, [f"commlab/commstate/{_bindings}/ready/{r}" for r in ranks], ranks,
+                  f"CommState #{_bindings}'s group to be created")
     return ranks, pg
+
+
+def setup_timeout() -> float:
+    """Seconds a rank waits for its peers to create the same CommState (COMMLAB_SETUP_TIMEOUT)."""
+    return float(os.environ.get("COMMLAB_SETUP_TIMEOUT", "") or 300.0)
+
+
+def _wait_for(store, keys: list[str], ranks: list[int], what: str) -> None:
+    """Wait until every key is in the store, in slices (Ctrl-C gets through), at most
+    setup_timeout(): a rank that never creates the state is an error naming the rule,
+    not a wait until the job is killed."""
+    deadline = time.monotonic() + setup_timeout()
+    pause = 1e-3
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+            raise CollectiveMismatchError(
+                f"commlab.hooks: rank {dist.get_rank()} waited {setup_timeout():g} s (COMMLAB_SETUP_TIMEOUT) for "
+                f"{what}; rank(s) {missing} never got there. Every rank of the job creates the same CommStates "
+                "in the same order, non-members of a sub-group too (as torch.distributed.new_group requires)")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def _agree_on_group(store, index: int, ranks: list[int] | None, algorithm: str) -> list[int]:
     me, world = dist.get_rank(), dist.get_world_size()
     store.set(f"commlab/commstate/{index}/{me}", json.dumps([ranks, algorithm]))
     keys = [f"commlab/commstate/{index}/{r}" for r in range(world)]
-    store.wait(keys)
+    _wait_for(store, keys, list(range(world)), f"every rank to create CommState #{index}")
     posted = [json.loads(store.get(k)) for k in keys]
     known = {tuple(r) for r, _ in posted if r is not None}
     if len(known) != 1:

@@ -1,9 +1,11 @@
 """Point-to-point transfers for the pure torch.distributed algorithms.
 
-Every step of an algorithm is one batch of sends and receives posted together
-(batch_isend_irecv), which NCCL needs to avoid send/recv deadlocks and gloo simply
-issues one by one. Every wait carries the group's timeout, and a failure names the
-algorithm and the peer (as a global rank) it was waiting on.
+Every step of an algorithm is one batch of sends and receives posted together. CPU
+tensors go over the group's own gloo connection (transports/link.py), which any rank
+that gives up closes, so every peer raises the same error within a second instead of
+waiting out the group's timeout; GPU tensors go over the group's backend in one batch
+(batch_isend_irecv), which NCCL needs to avoid send/recv deadlocks. Every wait carries
+the group's timeout, and a failure names the algorithm and the rank that failed.
 """
 from __future__ import annotations
 
@@ -17,11 +19,12 @@ from commlab.core import groups
 from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError
 from commlab.core.groups import GroupInfo
 from commlab.core.reduction import SUPPORTED_DTYPES, Op
+from commlab.transports.link import Link
 
-# Per group: the first failed transfer, and how many calls agreed. Receives and sends of
-# a failed step stay posted in the backend, so a retry on the same group could pair with
-# that stale traffic: the group's point-to-point use ends there, with a clear error.
-_failures = groups.PerGroup(lambda g: {"error": None, "calls": 0})
+# Per group: its connection, the first failure, how many calls agreed. Receives and sends
+# of a failed step stay posted, so a retry on the same group could pair with that stale
+# traffic: the group's point-to-point use ends there, with a clear error.
+_links = groups.PerGroup(lambda g: Link(), Link.close)
 
 _DTYPES = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
 
@@ -94,35 +97,79 @@ class P2P:
     def __init__(self, info: GroupInfo, algorithm: str):
         self.info = info
         self.algorithm = algorithm
-        self._failure = _failures.get(info.group)
+        self.link = _links.get(info.group)
+
+    def _refuse_if_failed(self) -> None:
+        """After a failure every call on the group raises it again, the same text on every
+        rank whichever call a rank was in: a retry could pair with the failed step's
+        stale messages (create a new group to go on)."""
+        if self.link.error is not None:
+            raise PeerError(self.link.error, algorithm=self.algorithm, peer=None)
 
     def post(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> Step:
         """Post receives, then sends (peers are group ranks): posted the other way round,
         gloo moved an exchange's two directions one after the other (two emulated hosts
         at 1 Gbit/s, rhd of 16 MiB: 266-274 ms, now 147; gloo's ring 141). Empty tensors
         are skipped on both sides, which both sides know from the sizes alone."""
-        if self._failure["error"] is not None:
-            raise CommlabError(f"commlab[{self.algorithm}]: this group's point-to-point traffic is unusable after a "
-                               f"failed transfer (a retry could pair with its stale messages; create a new group): "
-                               f"{self._failure['error']}")
-        ops, meta, recv_pos = [], [], []
-        g = self.info.group
+        self._refuse_if_failed()
+        meta, recv_pos, tensors = [], [], []
         for t, peer in recvs:
-            recv_pos.append(len(ops) if t.numel() else None)
+            recv_pos.append(len(meta) if t.numel() else None)
             if t.numel():
-                ops.append(dist.P2POp(dist.irecv, t, group=g, group_peer=peer))
+                tensors.append(t)
                 meta.append(("receive from", peer))
         for t, peer in sends:
             if t.numel():
-                ops.append(dist.P2POp(dist.isend, t, group=g, group_peer=peer))
+                tensors.append(t)
                 meta.append(("send to", peer))
-        if not ops:
+        if not meta:
             return Step(self, [], [], recv_pos)
         try:
-            works = dist.batch_isend_irecv(ops)
+            if tensors[0].is_cpu:
+                backend = self.link.connect(self.info, self.algorithm)
+                works = [backend.recv([t], peer, 0) if kind == "receive from" else backend.send([t], peer, 0)
+                         for t, (kind, peer) in zip(tensors, meta)]
+            else:
+                g = self.info.group
+                works = dist.batch_isend_irecv([
+                    dist.P2POp(dist.irecv if kind == "receive from" else dist.isend, t, group=g, group_peer=peer)
+                    for t, (kind, peer) in zip(tensors, meta)])
         except RuntimeError as e:
+            if isinstance(e, CommlabError):
+                raise
             raise self._error(meta, e) from e
         return Step(self, meta, list(works or []), recv_pos)
+
+    def collective(self, start, what: str) -> None:
+        """Run one of gloo's own collectives on the group's connection: start(backend)
+        returns its work (builtin's all-reduce), interrupted like the steps are."""
+        self._refuse_if_failed()
+        try:
+            work = start(self.link.connect(self.info, self.algorithm))
+        except RuntimeError as e:
+            if isinstance(e, CommlabError):
+                raise
+            raise self._error([(what, -1)], e) from e
+        self._wait(work, [(what, -1)])
+
+    def give_up(self, error: BaseException) -> None:
+        """This rank leaves a call in the middle (an exception, Ctrl-C): its peers, who
+        wait on its next step, raise at once instead of at the group's timeout."""
+        if self.link.backend is not None and self.link.error is None:
+            me = self.info.global_rank(self.info.rank)
+            what = "was interrupted (Ctrl-C)" if isinstance(error, KeyboardInterrupt) else \
+                f"left the call on {type(error).__name__}: {error}"
+            self.link.give_up(f"commlab[{self.algorithm}]: rank {me} {what}"[:600])
+        if self.link.error is not None:  # also when the watcher gave up first (Ctrl-C in a wait)
+            self._tell_shm(self.link.error)
+
+    def _tell_shm(self, text: str) -> None:
+        """The group's shared memory gives up too: a peer that finished this call waits
+        there in the next call's agreement (ps: rank 2 for rank 0, 60 s before this)."""
+        from commlab.transports import shm
+
+        if shm.state_of(self.info).comm is not None:
+            shm.abort(self.info, self.algorithm, text)
 
     def run(self, sends, recvs) -> None:
         self.post(sends, recvs).wait_all()
@@ -135,19 +182,22 @@ class P2P:
         aborts the process on a long one). The record has a fixed size: the gather
         itself can never be the mismatched message. `algorithms()` names the registered
         algorithms, for the message only."""
-        state = self._failure
-        if state["error"] is not None:
-            self.post([], [])  # raises the group's failure
-        state["calls"] += 1
-        mine = torch.tensor(record.row(state["calls"]), dtype=torch.int64)
+        link = self.link
+        self._refuse_if_failed()
+        link.calls += 1
+        mine = torch.tensor(record.row(link.calls), dtype=torch.int64)
         try:
-            if state.get("gather") is None:
-                state["gather"] = self._records_route()
-            rows = state["gather"](self, mine)
-        except PeerError as e:  # whatever it left posted could pair with a retry: the group's p2p use ends
-            if state["error"] is None:
-                state["error"] = str(e)
+            if link.route is None:
+                link.route = self._records_route()
+            rows = link.route(self, mine)
+        except CollectiveMismatchError:
             raise
+        except CommlabError as e:
+            # What it left posted could pair with a retry: the group's p2p use ends. The
+            # text is the one every rank raises: a peer may have seen the failure first,
+            # in a point-to-point wait where this rank saw it in shared memory.
+            text = link.give_up(str(e)) if link.error is None else link.error
+            raise PeerError(text, algorithm=self.algorithm, peer=getattr(e, "peer", None)) from None
         if bool((rows == rows[0]).all()):
             return
         names = algorithms()
@@ -192,25 +242,37 @@ class P2P:
 
     def _wait(self, work, meta: list[tuple[str, int]]) -> None:
         try:
-            ok = work.wait(self.info.timeout)
+            ok = self.link.wait(work, self.info.timeout, self.algorithm)
         except RuntimeError as e:
             raise self._error(meta, e) from e
         if ok is False:
             raise self._error(meta, TimeoutError(f"no completion within {self.info.timeout}"))
 
     def _error(self, meta: list[tuple[str, int]], cause: BaseException) -> PeerError:
-        error = self._describe(meta, cause)
-        if self._failure["error"] is None:
-            self._failure["error"] = str(error)
-        return error
+        """The error of a failed wait, the same on every rank: the reason a peer published
+        if it gave up first, else this rank's own observation, published for the others."""
+        peer = meta[0][1] if len({p for _, p in meta}) == 1 and meta[0][1] >= 0 else None
+        gpeer = self.info.global_rank(peer) if peer is not None else None
+        text = self.link.error or self.link.published()
+        if text is None:
+            text = self._observed(meta, cause)
+            if self.link.backend is not None:
+                text = self.link.give_up(text)
+            elif self.link.error is None:
+                self.link.error = text
+        elif self.link.error is None:
+            self.link.trip(text)
+        self._tell_shm(text)
+        return PeerError(text, algorithm=self.algorithm, peer=gpeer)
 
-    def _describe(self, meta: list[tuple[str, int]], cause: BaseException) -> PeerError:
-        peers = sorted({p for _, p in meta})
-        what = ", ".join(f"{kind} rank {self.info.global_rank(p)}" for kind, p in meta[:4])
-        peer = self.info.global_rank(peers[0]) if len(peers) == 1 else None
-        return PeerError(
-            f"commlab[{self.algorithm}] rank {self.info.global_rank(self.info.rank)}: "
-            f"{what} failed (group timeout {self.info.timeout}): {cause}",
-            algorithm=self.algorithm,
-            peer=peer,
-        )
+    def _observed(self, meta: list[tuple[str, int]], cause: BaseException) -> str:
+        me = self.info.global_rank(self.info.rank)
+        what = ", ".join(f"{kind} rank {self.info.global_rank(p)}" if p >= 0 else kind for kind, p in meta[:4])
+        msg = str(cause)
+        peers = sorted({p for _, p in meta if p >= 0})
+        if any(s in msg for s in ("closed by peer", "reset by peer", "Broken pipe")):
+            gone = peers[0] if len(peers) == 1 else self.link.rank_at(msg)
+            if gone is not None:
+                return (f"commlab[{self.algorithm}]: rank {self.info.global_rank(gone)} is gone: its connection to "
+                        f"rank {me} closed during {what} (its process was killed or exited)")
+        return f"commlab[{self.algorithm}] rank {me}: {what} failed (group timeout {self.info.timeout}): {msg}"[:900]

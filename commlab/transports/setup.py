@@ -83,18 +83,26 @@ _SLICE = 0.02  # s: the longest a setup wait sleeps between looks for an abort m
 
 
 def gather(info: GroupInfo, value, transport: str = "shm", what: str = "setup") -> list:
-    """Every rank's `value`. The gloo gather runs on a helper thread (a dead peer still
-    fails it at once) while the caller waits in slices: a signal (Ctrl-C) reaches it
-    within 20 ms, and an interrupted rank leaves an abort mark in the job's store that
-    its peers raise on, also after their gather completed against its helper. (Waiting
-    in the gloo gather itself checked no signals: Ctrl-C in a first call's setup came
-    through only when the late peer arrived, 22 s.)"""
-    out, failed, done = [None] * info.size, [], threading.Event()
+    """Every rank's `value`, gathered by gloo on a helper thread (interruptibly)."""
+    out = [None] * info.size
+    interruptibly(info, lambda: dist.all_gather_object(out, value, group=info.group), transport, what)
+    return out
+
+
+def interruptibly(info: GroupInfo, step, transport: str = "shm", what: str = "setup"):
+    """step()'s result; step is a collective of the group's setup (a gloo gather, a gloo
+    context connecting). It runs on a helper thread (a dead peer still fails it at once)
+    while the caller waits in slices: a signal (Ctrl-C) reaches it within 20 ms, and an
+    interrupted rank leaves an abort mark in the job's store that its peers raise on,
+    also after their step completed against its helper. (Waiting in the gloo gather
+    itself checked no signals: Ctrl-C in a first call's setup came through only when the
+    late peer arrived, 22 s.)"""
+    out, failed, done = [], [], threading.Event()
     group = info.group
 
     def run():
         try:
-            dist.all_gather_object(out, value, group=group)
+            out.append(step())
         except BaseException as e:  # noqa: BLE001 - reported by the caller
             failed.append(e)
         finally:
@@ -110,7 +118,7 @@ def gather(info: GroupInfo, value, transport: str = "shm", what: str = "setup") 
             if store.check([abort]):
                 break
             pause = min(pause * 2, _SLICE)
-        if store.check([abort]):  # the interrupted rank's helper may have completed our gather
+        if store.check([abort]):  # the interrupted rank's helper may have completed our step
             raise PeerError(f"commlab[{transport}]: {what}: {store.get(abort).decode()}", algorithm=transport,
                             peer=None)
     except KeyboardInterrupt:
@@ -125,7 +133,7 @@ def gather(info: GroupInfo, value, transport: str = "shm", what: str = "setup") 
     if failed:
         raise PeerError(f"commlab[{transport}]: {what}: exchanging setup facts failed (a peer died or left?): "
                         f"{failed[0]}", algorithm=transport, peer=None) from None
-    return out
+    return out[0]
 
 
 def agree(info: GroupInfo, what: str, step, transport: str = "shm") -> None:

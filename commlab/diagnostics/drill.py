@@ -1,0 +1,148 @@
+"""Fault drills: one rank of a job fails in a chosen way while every rank loops over
+all-reduces; every other rank must raise a commlab error within seconds, never return
+wrong data, never wait out the group's timeout. The README's fault table is its output.
+
+    python -m commlab.diagnostics.drill --world-size 3
+    python -m commlab.diagnostics.drill --algorithms ring,hier --faults sigkill,sigstop --hosts 2
+
+The faults, on rank 1, `--delay` seconds into the loop:
+  sigkill        the process is killed: no word to anyone, its sockets close
+  sigint         Ctrl-C, wherever it lands (a wait, a reduction, the caller's code);
+                 the rank then dies of the KeyboardInterrupt, as a script does
+  exception      the rank's own code raises between calls and the process dies of it
+  error-in-call  an error inside commlab's call on that rank (a point-to-point step
+                 raises; algorithms without one show "-")
+  sigstop        the process freezes, nothing closes (a hung host or a dead link):
+                 peers name it after COMMLAB_PEER_TIMEOUT seconds without a heartbeat
+Each cell: seconds from the fault to the last surviving rank's error.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+FAULTS = ("sigkill", "sigint", "exception", "error-in-call", "sigstop")
+VICTIM = 1
+
+
+def _arm(fault: str, at: float) -> None:
+    me = os.getpid()
+    later = max(0.0, at - time.monotonic())
+    if fault in ("sigkill", "sigint", "sigstop"):
+        sig = {"sigkill": signal.SIGKILL, "sigint": signal.SIGINT, "sigstop": signal.SIGSTOP}[fault]
+        threading.Timer(later, os.kill, (me, sig)).start()
+    elif fault == "error-in-call":
+        from commlab.transports import p2p
+
+        def failing(real):
+            def step(self, *args, **kwargs):
+                if time.monotonic() >= at:
+                    raise RuntimeError("injected: a step failed on this rank")
+                return real(self, *args, **kwargs)
+            return step
+
+        p2p.P2P.post = failing(p2p.P2P.post)
+        p2p.P2P.collective = failing(p2p.P2P.collective)  # builtin: gloo's all-reduce
+
+
+def _rank(rank: int, p: int, algorithm: str, fault: str, delay: float, host_of) -> dict:
+    import commlab
+
+    if host_of:
+        os.environ["COMMLAB_HOST_ID"] = f"h{host_of[rank]}"
+    x = torch.ones(1 << 16)  # 256 KiB: several steps per call
+    commlab.all_reduce(x, algorithm=algorithm)  # set-up is not what is drilled
+    dist.barrier()
+    at = time.monotonic() + delay
+    if rank == VICTIM:
+        _arm(fault, at)
+    calls = 0
+    try:
+        while time.monotonic() < at + 60:
+            if rank == VICTIM and fault == "exception" and time.monotonic() >= at:
+                raise RuntimeError("the rank's own code failed")
+            commlab.all_reduce(x.fill_(1.0), algorithm=algorithm)
+            if not bool((x == p).all()):
+                return {"type": "WRONG DATA", "after": time.monotonic() - at, "calls": calls}
+            calls += 1
+    except BaseException as e:  # noqa: BLE001 - reported, or the rank dies of it like a script
+        if rank == VICTIM:
+            sys.excepthook(type(e), e, e.__traceback__)
+            os._exit(1)
+        from commlab.core.errors import CommlabError
+
+        return {"type": type(e).__name__, "commlab": isinstance(e, CommlabError), "msg": str(e),
+                "after": time.monotonic() - at, "calls": calls}
+    return {"type": None, "after": None, "calls": calls}
+
+
+def applies(algorithm: str, fault: str) -> bool:
+    """error-in-call injects into a point-to-point step: shared-memory algorithms have none."""
+    return not (fault == "error-in-call" and algorithm in ("shm", "shm_ps", "auto", "hier", "ipc"))
+
+
+def drill(algorithm: str, fault: str, world_size: int = 3, delay: float = 0.5, hosts: int = 1,
+          pg_timeout_s: float = 60.0) -> dict:
+    """Run one drill in fresh processes; returns every survivor's outcome and `last_s`,
+    the time from the fault to the last survivor's error (None if one never raised)."""
+    from commlab.measure.launch import RankPool
+
+    host_of = [r * hosts // world_size for r in range(world_size)] if hosts > 1 else None
+    pool = RankPool(world_size, pg_timeout_s=pg_timeout_s)
+    if fault == "sigstop":  # the frozen rank is killed once its peers had every chance to name it
+        from commlab.transports.link import peer_timeout
+
+        victim = pool.pid(VICTIM)
+        threading.Timer(delay + peer_timeout() + 5, os.kill, (victim, signal.SIGKILL)).start()
+    res = pool.outcomes(_rank, algorithm, fault, delay, host_of, timeout=delay + 75)
+    survivors = {r: (res[r].result if res[r].status == "ok" else {"type": "NO ANSWER", "error": res[r].error})
+                 for r in range(world_size) if r != VICTIM}
+    raised = [o for o in survivors.values() if o.get("after") is not None and o["type"] not in (None, "WRONG DATA")]
+    last = max(o["after"] for o in raised) if len(raised) == len(survivors) else None
+    return {"algorithm": algorithm, "fault": fault, "world_size": world_size, "hosts": hosts, "last_s": last,
+            "survivors": survivors, "same_text": len({o.get("msg") for o in survivors.values()}) == 1}
+
+
+def main(argv=None) -> int:
+    import commlab
+
+    ap = argparse.ArgumentParser(prog="python -m commlab.diagnostics.drill", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-size", type=int, default=3)
+    ap.add_argument("--algorithms", default=",".join(commlab.algorithms.for_device("cpu")))
+    ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument("--hosts", type=int, default=1, help="emulated hosts (COMMLAB_HOST_ID), ranks split in order")
+    ap.add_argument("--delay", type=float, default=0.5)
+    a = ap.parse_args(argv)
+    faults = a.faults.split(",")
+    print(f"# seconds from the fault on rank {VICTIM} to the last of the other {a.world_size - 1} ranks' error "
+          f"({a.world_size} ranks, {a.hosts} host(s), COMMLAB_PEER_TIMEOUT={os.environ.get('COMMLAB_PEER_TIMEOUT', 5)})")
+    print("| algorithm | " + " | ".join(faults) + " |")
+    print("|---|" + "---|" * len(faults))
+    bad = 0
+    for alg in a.algorithms.split(","):
+        cells = []
+        for fault in faults:
+            if not applies(alg, fault):
+                cells.append("-")
+                continue
+            got = drill(alg, fault, a.world_size, a.delay, a.hosts)
+            if got["last_s"] is None:
+                bad += 1
+                kinds = sorted({str(o["type"]) for o in got["survivors"].values()})
+                cells.append("FAIL " + "/".join(kinds))
+            else:
+                cells.append(f"{got['last_s']:.2f}")
+        print(f"| {alg} | " + " | ".join(cells) + " |", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

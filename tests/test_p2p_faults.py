@@ -1,0 +1,58 @@
+"""A rank that fails mid-job — killed, interrupted, raising in its own code or inside a
+call, frozen — makes every other rank raise a commlab error naming it within seconds,
+on every transport: never a survivor that returns, never one that waits out the
+group's timeout (60 s here). The drills are commlab/diagnostics/drill.py's, which also
+prints the README's table of every algorithm and fault.
+
+Before the point-to-point transport had its abort channel (transports/link.py), a
+survivor of a peer that raised or was interrupted waited in a gloo receive until the
+group's timeout."""
+import os
+
+import pytest
+
+from commlab.diagnostics.drill import drill
+
+LINK = ("ps", "ps_sharded", "ring", "rhd", "rd", "direct", "builtin")  # on the group's gloo connection
+
+
+def slow(*cases):
+    return [pytest.param(*c, marks=pytest.mark.slow) for c in cases]
+
+
+def _every_survivor_raises(got, limit_s=2.0):
+    for r, o in got["survivors"].items():
+        assert o["type"] not in (None, "WRONG DATA", "NO ANSWER"), (r, o)
+        assert o["commlab"], (r, o)
+        assert "rank 1" in o["msg"], (r, o)  # names the rank that failed
+        assert o["after"] < limit_s, (r, o)
+    if got["algorithm"] in LINK:
+        assert got["same_text"], [o["msg"] for o in got["survivors"].values()]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("commlab-")]
+
+
+@pytest.mark.parametrize("algorithm,fault", [
+    ("ring", "sigkill"), ("ring", "sigint"),
+    *slow(("ring", "exception"), ("ring", "error-in-call"), ("ps", "sigkill"), ("ps_sharded", "sigint"),
+          ("rhd", "exception"), ("rd", "error-in-call"), ("direct", "sigint"), ("builtin", "sigkill"),
+          ("builtin", "sigint"), ("builtin", "error-in-call"), ("shm", "sigint"), ("shm", "exception"),
+          ("shm_ps", "sigkill"), ("auto", "sigint")),
+])
+def test_every_survivor_raises_within_two_seconds(algorithm, fault):
+    _every_survivor_raises(drill(algorithm, fault, world_size=3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm,fault", [("hier", "sigkill"), ("hier", "sigint"), ("ring", "exception")])
+def test_across_emulated_hosts(algorithm, fault):
+    # Two hosts of two ranks: hier's link stage among the hosts' leaders, shm inside each.
+    _every_survivor_raises(drill(algorithm, fault, world_size=4, hosts=2))
+
+
+@pytest.mark.slow
+def test_a_frozen_peer_is_named_after_its_heartbeats_stop(monkeypatch):
+    # SIGSTOP: nothing closes, as with a hung host; the heartbeat names it.
+    monkeypatch.setenv("COMMLAB_PEER_TIMEOUT", "2")
+    got = drill("ring", "sigstop", world_size=3)
+    _every_survivor_raises(got, limit_s=2 + 2.5)
+    assert all("stopped responding" in o["msg"] for o in got["survivors"].values()), got
