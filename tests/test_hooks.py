@@ -414,3 +414,27 @@ def test_a_buckets_time_runs_from_its_hand_over(ranks):
     assert got["iterations"] == 1
     first, second = sorted(got["last_buckets"], key=lambda b: b["index"])
     assert 190 <= first["comm_ms"] < 400 and second["comm_ms"] >= 390, got  # 200 waiting + 200 of its own
+
+
+def test_a_state_one_rank_never_creates_is_an_error_on_every_rank(tmp_path):
+    """Rank 0 creates a CommState rank 1 never creates, while rank 1 waits on rank 0 in
+    its first bucket: rank 0 raises the rule after COMMLAB_SETUP_TIMEOUT, and rank 1
+    raises the same text at once. Before, both waited in the store until killed."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    job = os.path.join(os.path.dirname(__file__), "state_order_job.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", job, str(tmp_path)]
+    t0 = time.time()
+    subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                   env=clean_launch_env(COMMLAB_SETUP_TIMEOUT="3", OMP_NUM_THREADS="1"))
+    assert time.time() - t0 < 60
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["type"] == "CollectiveMismatchError", r0
+    rule = "Every rank of the job creates the same CommStates in the same order"
+    assert rule in r0["msg"] and "rank(s) [1] never got there" in r0["msg"], r0
+    assert rule in r1["msg"], r1  # relayed into the bucket that waited on rank 0
+    assert abs(r1["t"] - r0["t"]) < 2.0, (r0, r1)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from commlab import algorithms
 from commlab.core import api
 from commlab.core.errors import CollectiveMismatchError, CommlabError, UnsupportedError
+from commlab.transports import p2p
 
 _COMPRESS = (None, torch.float16, torch.bfloat16)
 
@@ -158,10 +159,15 @@ def _wait_for(store, keys: list[str], ranks: list[int], what: str) -> None:
     while not store.check(keys):
         if time.monotonic() > deadline:
             missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
-            raise CollectiveMismatchError(
+            error = CollectiveMismatchError(
                 f"commlab.hooks: rank {dist.get_rank()} waited {setup_timeout():g} s (COMMLAB_SETUP_TIMEOUT) for "
                 f"{what}; rank(s) {missing} never got there. Every rank of the job creates the same CommStates "
                 "in the same order, non-members of a sub-group too (as torch.distributed.new_group requires)")
+            # The peers are likely waiting on this rank in a state made earlier: they raise it too.
+            for state in list(_live):
+                if state.process_group is not None:
+                    p2p.abandon(state.process_group, str(error))
+            raise error
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
 

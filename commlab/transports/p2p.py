@@ -38,6 +38,17 @@ def _decode(code: int, names) -> str:
     return next((n for n in names if _code(n) == code), f"#{code}")
 
 
+def abandon(group: dist.ProcessGroup, text: str) -> None:
+    """This rank leaves the group for good (a rule was broken elsewhere): peers waiting in
+    its set-up steps or on its connection raise `text` now."""
+    from commlab.transports import setup
+
+    setup.mark_abort(group, text)
+    link = _links.get(group)
+    if link.backend is not None:
+        link.give_up(text)
+
+
 class CallRecord:
     """What one call is, as every rank must agree on it before any of its bytes move."""
 

@@ -111,7 +111,7 @@ def interruptibly(info: GroupInfo, step, transport: str = "shm", what: str = "se
     # The name marks it as commlab's own traffic (core/lanes.inside) on a commlab group.
     threading.Thread(target=run, name=f"commlab-lane-setup-{transport}", daemon=True).start()
     store = dist.distributed_c10d._get_default_store()
-    abort = f"commlab/setup-abort/{group.group_name}"
+    abort = _abort_key(group)
     try:
         pause = 50e-6
         while not done.wait(pause):
@@ -134,6 +134,15 @@ def interruptibly(info: GroupInfo, step, transport: str = "shm", what: str = "se
         raise PeerError(f"commlab[{transport}]: {what}: exchanging setup facts failed (a peer died or left?): "
                         f"{failed[0]}", algorithm=transport, peer=None) from None
     return out[0]
+
+
+def _abort_key(group) -> str:
+    return f"commlab/setup-abort/{group.group_name}"
+
+
+def mark_abort(group, text: str) -> None:
+    """Peers waiting in one of the group's set-up steps raise `text` (interruptibly reads it)."""
+    dist.distributed_c10d._get_default_store().set(_abort_key(group), text)
 
 
 def agree(info: GroupInfo, what: str, step, transport: str = "shm") -> None:
