@@ -63,8 +63,9 @@ def test_hier_is_right_and_identical_on_every_layout(ranks, name):
 
 def inter_stage_fails(rank, p):
     """Rank 0's inter-host stage raises: rank 1 (its host's other rank, waiting in the
-    final all-gather) must fail at once naming it, not at the group's timeout; rank 2,
-    its inter-host peer, at the deadline (10 s), and rank 3 right after rank 2."""
+    final all-gather) must fail at once naming it, not at the group's timeout; so must
+    rank 2, its inter-host peer (it waited out the 10 s deadline before the link stage's
+    connection gave up with its group), and rank 3."""
     import datetime
     import time
 
@@ -99,8 +100,9 @@ def test_a_failed_inter_host_stage_reaches_the_hosts_other_ranks_at_once():
     assert "link down (injected)" in got[0]["error"], got
     assert "rank 0" in got[1]["error"] and "inter-host stage failed" in got[1]["error"], got
     assert got[1]["seconds"] < 5, got  # not the group's 10 s deadline
-    assert got[2]["error"].startswith("PeerError: commlab[hier->builtin]") and "rank 2" in got[2]["error"], got
-    assert got[2]["seconds"] < 10 + 10 and got[3]["seconds"] < got[2]["seconds"] + 5, got
+    for r in (2, 3):
+        assert got[r]["error"].startswith("PeerError: commlab[hier") and "rank 0" in got[r]["error"], got
+        assert got[r]["seconds"] < 5, got
 
 
 def link_bytes(name, hosts, per_host, n):
@@ -197,3 +199,19 @@ def test_hiers_sub_groups_go_with_their_group(ranks):
     """2 x 2: hier makes two sub-groups per rank; destroying the group it served must
     not leave them registered with torch (and their gloo threads running)."""
     assert ranks.run(4, subgroups_left) == [(3, 0)] * 4
+
+
+def test_releasing_a_layout_whose_sub_groups_are_gone_is_quiet():
+    """destroy_process_group() of every group destroys hier's sub-groups before the
+    layout's finalizer runs: it raised CommlabError there ("Exception ignored in ...",
+    on every rank of every multi-host hier job that ended that way)."""
+    import datetime
+
+    from commlab.algorithms import hier
+    from commlab.algorithms.base import Context
+    from commlab.core.groups import GroupInfo
+
+    gone = GroupInfo(ref=lambda: None, rank=0, size=2, global_ranks=(0, 2), timeout=datetime.timedelta(seconds=1))
+    layout = hier.Layout(hosts=2, per_host=[2, 2], local=0, local_size=2, shards=2, intra=gone,
+                         inter=Context(info=gone, p2p=None))
+    hier._release_layout(layout)

@@ -53,7 +53,7 @@ def two_hosts():
             _ip("netns", "del", n, check=False)
 
 
-def _launch(ns, dev, node, port, out_dir, extra_env=None, nproc=2):
+def _launch(ns, dev, node, port, out_dir, extra_env=None, nproc=2, torchrun_args=()):
     env = dict(os.environ, GLOO_SOCKET_IFNAME=dev[node], COMMLAB_JOB_OUT=str(out_dir), PYTHONUNBUFFERED="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("MASTER_ADDR", None)
@@ -61,7 +61,7 @@ def _launch(ns, dev, node, port, out_dir, extra_env=None, nproc=2):
     env.update(extra_env or {})
     cmd = ["ip", "netns", "exec", ns[node], sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
            "--nproc_per_node", str(nproc), "--node_rank", str(node), "--master_addr", ADDR[0], "--master_port",
-           str(port), JOB]
+           str(port), *torchrun_args, JOB]
     # A session of its own: torchrun signals its whole process group when a worker fails.
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -124,6 +124,31 @@ def test_cutting_the_link_gives_errors_not_hangs(two_hosts, tmp_path):
         res = json.loads((tmp_path / f"loop{r}.json").read_text())
         assert "error" in res, res
         assert res["error"].startswith("PeerError: commlab[ring]") and "rank" in res["error"], res
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "hier"])
+def test_a_rank_killed_on_one_host_fails_every_rank_on_both(two_hosts, tmp_path, algorithm):
+    """Rank 3 (host B) is SIGKILLed mid-loop: the three survivors, on both hosts, raise
+    within 5 s naming it (before the abort channel, ring's survivors on host A waited out
+    the group's timeout unless they waited on rank 3 itself)."""
+    ns, dev = two_hosts
+    env = {"COMMLAB_JOB_LOOP": "1", "COMMLAB_JOB_TIMEOUT": "60", "COMMLAB_JOB_ALGORITHM": algorithm,
+           "COMMLAB_JOB_KILL": "3"}
+    # The agents look every 5 s: the survivors must leave by commlab's error, not their SIGTERM.
+    port = 29614 if algorithm == "ring" else 29615
+    procs = [_launch(ns, dev, node, port, tmp_path, env, torchrun_args=("--monitor-interval", "5"))
+             for node in (0, 1)]
+    deadline = time.monotonic() + 150
+    while not all((tmp_path / f"loop{r}.json").exists() for r in (0, 1, 2)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    outs = _wait(procs, 1)
+    kill = json.loads((tmp_path / "kill.json").read_text())
+    for r in (0, 1, 2):
+        path = tmp_path / f"loop{r}.json"
+        assert path.exists(), f"rank {r} never reported: " + outs[0][1][-2000:] + outs[1][1][-2000:]
+        res = json.loads(path.read_text())
+        assert "error" in res and "rank 3" in res["error"], (r, res)
+        assert res["t"] - kill["t"] < 5.0, (r, res, kill)
 
 
 def test_emulated_hosts_script_runs_the_bench_over_shaped_links():

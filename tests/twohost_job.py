@@ -19,16 +19,23 @@ def main() -> int:
     rank, p = dist.get_rank(), dist.get_world_size()
     out = {"rank": rank, "world": p, "algorithms": {}}
     if os.environ.get("COMMLAB_JOB_LOOP") == "1":
+        algorithm = os.environ.get("COMMLAB_JOB_ALGORITHM", "ring")
+        victim = int(os.environ.get("COMMLAB_JOB_KILL", "-1"))  # this rank SIGKILLs itself 2 s in
         x = torch.ones(50_000)
-        commlab.all_reduce(x, algorithm="ring")
+        commlab.all_reduce(x, algorithm=algorithm)
         open(os.path.join(os.environ["COMMLAB_JOB_OUT"], f"started{rank}"), "w").close()
         t0 = time.monotonic()
         try:
             while time.monotonic() - t0 < 120:
-                commlab.all_reduce(x.fill_(1.0), algorithm="ring")
+                if rank == victim and time.monotonic() - t0 > 2:
+                    with open(os.path.join(os.environ["COMMLAB_JOB_OUT"], "kill.json"), "w") as f:
+                        json.dump({"t": time.time()}, f)
+                    os.kill(os.getpid(), 9)
+                commlab.all_reduce(x.fill_(1.0), algorithm=algorithm)
         except Exception as e:  # noqa: BLE001 - the expected outcome
             out["error"] = f"{type(e).__name__}: {e}"[:300]
             out["seconds_after_start"] = time.monotonic() - t0
+            out["t"] = time.time()
         with open(os.path.join(os.environ["COMMLAB_JOB_OUT"], f"loop{rank}.json"), "w") as f:
             json.dump(out, f)
         os._exit(0)  # the group is broken; do not wait on it

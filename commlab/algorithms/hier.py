@@ -177,6 +177,9 @@ def _make_layout(group: dist.ProcessGroup) -> Layout:
 
         intra = make(mine)
         peers = make([m[local] for m in members if local < len(m)])
+        for sub in (intra, peers):  # a rank that gives up on the group gives up on these: peers may wait there
+            if sub is not None:
+                P2P.derive(info, sub)
         if local < k:
             inter = Context(info=peers, p2p=P2P(peers, "hier"))
     return Layout(hosts=len(members), per_host=[len(m) for m in members], local=local, local_size=len(mine),
@@ -186,7 +189,9 @@ def _make_layout(group: dist.ProcessGroup) -> Layout:
 def _release_layout(layout: Layout) -> None:
     """The group is gone: its two sub-groups are hier's alone, so they go too (torch
     would keep them registered until the process ends, gloo's threads with them)."""
-    subs = [layout.intra.group if layout.intra else None, layout.inter.info.group if layout.inter else None]
+    # .ref(), not .group: a sub-group destroyed first (destroy_process_group() of all) is
+    # None here, where .group raised from the finalizer ("Exception ignored in ...").
+    subs = [layout.intra.ref() if layout.intra else None, layout.inter.info.ref() if layout.inter else None]
     for g in subs:
         if g is not None and g in dist.distributed_c10d._world.pg_map:
             try:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from commlab import algorithms
 from commlab.algorithms.base import Context
 from commlab.core import groups, lanes
-from commlab.core.errors import CollectiveMismatchError, PeerError, UnsupportedError
+from commlab.core.errors import CollectiveMismatchError, UnsupportedError
 from commlab.core.reduction import SUPPORTED_DTYPES, Op, finish_average_, parse_op
 from commlab.transports.p2p import P2P, CallRecord
 
@@ -85,10 +85,12 @@ class _Plan:
             return
         try:
             self._run(tensor)
-        except (CollectiveMismatchError, UnsupportedError, PeerError):
-            raise  # raised alike on every rank, or already relayed to them
+        except (CollectiveMismatchError, UnsupportedError):
+            raise  # raised alike on every rank
         except BaseException as e:
-            self.ctx.p2p.give_up(e)  # its peers wait on this rank's next step: they raise now
+            # Its peers wait on this rank's next step, maybe in another of the call's
+            # groups than the one that failed: they raise now.
+            self.ctx.p2p.give_up(e)
             raise
 
     def _run(self, tensor: torch.Tensor) -> None:

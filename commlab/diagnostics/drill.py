@@ -13,7 +13,9 @@ The faults, on rank 1, `--delay` seconds into the loop:
   error-in-call  an error inside commlab's call on that rank (a point-to-point step
                  raises; algorithms without one show "-")
   sigstop        the process freezes, nothing closes (a hung host or a dead link):
-                 peers name it after COMMLAB_PEER_TIMEOUT seconds without a heartbeat
+                 peers waiting on the point-to-point transport name it after
+                 COMMLAB_PEER_TIMEOUT seconds without a heartbeat; shared memory waits
+                 for a stopped peer (the drill kills it 5 s later: "not noticed")
 Each cell: seconds from the fault to the last surviving rank's error.
 """
 from __future__ import annotations
@@ -35,6 +37,8 @@ VICTIM = 1
 def _arm(fault: str, at: float) -> None:
     me = os.getpid()
     later = max(0.0, at - time.monotonic())
+    if fault == "sigint":  # a drill started in the background inherits SIGINT ignored: Ctrl-C as in a terminal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if fault in ("sigkill", "sigint", "sigstop"):
         sig = {"sigkill": signal.SIGKILL, "sigint": signal.SIGINT, "sigstop": signal.SIGSTOP}[fault]
         threading.Timer(later, os.kill, (me, sig)).start()
@@ -96,17 +100,21 @@ def drill(algorithm: str, fault: str, world_size: int = 3, delay: float = 0.5, h
 
     host_of = [r * hosts // world_size for r in range(world_size)] if hosts > 1 else None
     pool = RankPool(world_size, pg_timeout_s=pg_timeout_s)
+    killed_s = None
     if fault == "sigstop":  # the frozen rank is killed once its peers had every chance to name it
         from commlab.transports.link import peer_timeout
 
-        victim = pool.pid(VICTIM)
-        threading.Timer(delay + peer_timeout() + 5, os.kill, (victim, signal.SIGKILL)).start()
+        killed_s = peer_timeout() + 5
+        threading.Timer(delay + killed_s, os.kill, (pool.pid(VICTIM), signal.SIGKILL)).start()
     res = pool.outcomes(_rank, algorithm, fault, delay, host_of, timeout=delay + 75)
     survivors = {r: (res[r].result if res[r].status == "ok" else {"type": "NO ANSWER", "error": res[r].error})
                  for r in range(world_size) if r != VICTIM}
     raised = [o for o in survivors.values() if o.get("after") is not None and o["type"] not in (None, "WRONG DATA")]
     last = max(o["after"] for o in raised) if len(raised) == len(survivors) else None
+    # A frozen rank's peers that raised only once the drill killed it did not notice the freeze.
+    noticed = last is not None and (killed_s is None or last < killed_s - 1.0)
     return {"algorithm": algorithm, "fault": fault, "world_size": world_size, "hosts": hosts, "last_s": last,
+            "noticed": noticed,
             "survivors": survivors, "same_text": len({o.get("msg") for o in survivors.values()}) == 1}
 
 
@@ -138,6 +146,8 @@ def main(argv=None) -> int:
                 bad += 1
                 kinds = sorted({str(o["type"]) for o in got["survivors"].values()})
                 cells.append("FAIL " + "/".join(kinds))
+            elif not got["noticed"]:  # sigstop on shared memory: it waits for a stopped peer
+                cells.append(f"not noticed (killed at {got['last_s']:.0f})")
             else:
                 cells.append(f"{got['last_s']:.2f}")
         print(f"| {alg} | " + " | ".join(cells) + " |", flush=True)

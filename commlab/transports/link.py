@@ -18,6 +18,7 @@ thread sits in a gloo wait. A healthy wait costs two counter updates.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import select
@@ -35,6 +36,7 @@ ABORT_KEY = "commlab/abort"
 _POLL = 0.1  # s between looks at the store while a wait is in flight
 _BEAT = 0.5  # s between heartbeats
 _LOOK = 1.0  # s a wait lasts before peers' heartbeats are read, and between reads
+_SLICE = 1.0  # s: a collective's wait looks at the connection's state this often
 _connecting = threading.Lock()  # one context connects at a time: its sockets are what appeared meanwhile
 
 
@@ -60,6 +62,7 @@ class Link:
         self.error: str | None = None
         self.calls = 0  # calls agreed on the group (P2P.agree)
         self.route = None  # how call records are gathered (P2P.agree)
+        self.dependents: list = []  # GroupInfos of sub-groups made for the same calls (P2P.derive)
         self.waiting = 0
         self.waiter = 0  # thread ident of the latest waiter: Ctrl-C gives up only a main-thread wait
         self.label = ""  # the algorithm of the latest wait, for the errors the watcher publishes
@@ -121,14 +124,30 @@ class Link:
                 pass
 
     # -- the healthy path -------------------------------------------------------------
-    def wait(self, work, timeout, label: str) -> bool:
+    def wait(self, work, timeout, label: str, sliced: bool = False) -> bool:
+        """work.wait(timeout), counted for the watcher. `sliced`: a collective's work (gloo's
+        all-reduce), waited in 1 s slices that end once the connection was given up: one
+        issued on a context its peers had just shut waited out the group's timeout (1
+        run in 3 of builtin's Ctrl-C drill). A send's or receive's wait cannot be sliced:
+        its timeout breaks the whole context."""
         if self.waiting == 0:
             self.since = time.monotonic()
             self.waiter = threading.get_ident()
             self.label = label
         self.waiting += 1
         try:
-            return work.wait(timeout)
+            if not sliced:
+                return work.wait(timeout)
+            end = time.monotonic() + timeout.total_seconds()
+            while True:
+                left = end - time.monotonic()
+                try:
+                    return work.wait(datetime.timedelta(seconds=max(0.0, min(left, _SLICE))))
+                except RuntimeError as e:
+                    if "timed out" not in str(e) or left <= _SLICE:
+                        raise
+                    if self.error is not None:
+                        raise RuntimeError(f"the group's connection was given up: {self.error}") from None
         finally:
             self.waiting -= 1
 

@@ -161,26 +161,53 @@ class P2P:
             if isinstance(e, CommlabError):
                 raise
             raise self._error([(what, -1)], e) from e
-        self._wait(work, [(what, -1)])
+        self._wait(work, [(what, -1)], sliced=True)
 
     def give_up(self, error: BaseException) -> None:
-        """This rank leaves a call in the middle (an exception, Ctrl-C): its peers, who
-        wait on its next step, raise at once instead of at the group's timeout."""
-        if self.link.backend is not None and self.link.error is None:
+        """This rank leaves a call in the middle (an exception, Ctrl-C, a failure in a
+        sub-group of the call): its peers, who wait on its next step, raise at once
+        instead of at the group's timeout."""
+        link = self.link
+        if link.error is None:
             me = self.info.global_rank(self.info.rank)
-            what = "was interrupted (Ctrl-C)" if isinstance(error, KeyboardInterrupt) else \
-                f"left the call on {type(error).__name__}: {error}"
-            self.link.give_up(f"commlab[{self.algorithm}]: rank {me} {what}"[:600])
-        if self.link.error is not None:  # also when the watcher gave up first (Ctrl-C in a wait)
-            self._tell_shm(self.link.error)
+            if isinstance(error, PeerError):  # already worded for every rank (a sub-group's failure)
+                text = str(error)
+            elif isinstance(error, KeyboardInterrupt):
+                text = f"commlab[{self.algorithm}]: rank {me} was interrupted (Ctrl-C)"
+            else:
+                text = f"commlab[{self.algorithm}]: rank {me} left the call on {type(error).__name__}: {error}"[:600]
+            if link.backend is not None:
+                link.give_up(text)
+            else:
+                link.error = text
+        self._spread(link.error)  # also when the watcher gave up first (Ctrl-C in a wait)
 
-    def _tell_shm(self, text: str) -> None:
-        """The group's shared memory gives up too: a peer that finished this call waits
-        there in the next call's agreement (ps: rank 2 for rank 0, 60 s before this)."""
+    def _spread(self, text: str) -> None:
+        """Everything else this rank's peers may wait on for the group gives up too: its
+        shared memory (a peer that finished this call waits there in the next call's
+        agreement: ps's rank 2 for rank 0, 60 s before this) and the sub-groups made
+        from it (hier's, whose stages other ranks may be in)."""
         from commlab.transports import shm
 
         if shm.state_of(self.info).comm is not None:
             shm.abort(self.info, self.algorithm, text)
+        for sub in self.link.dependents:
+            try:
+                p2p = P2P(sub, self.algorithm)
+            except CommlabError:  # the sub-group is gone already
+                continue
+            if p2p.link.error is None:
+                if p2p.link.backend is not None:
+                    p2p.link.give_up(text)
+                else:
+                    p2p.link.error = text
+                p2p._spread(text)
+
+    @staticmethod
+    def derive(parent: GroupInfo, sub: GroupInfo) -> None:
+        """`sub` was made from `parent` for the same calls (hier's host and link groups):
+        when this rank gives up on the parent, it gives up on `sub` too."""
+        _links.get(parent.group).dependents.append(sub)
 
     def run(self, sends, recvs) -> None:
         self.post(sends, recvs).wait_all()
@@ -208,6 +235,7 @@ class P2P:
             # text is the one every rank raises: a peer may have seen the failure first,
             # in a point-to-point wait where this rank saw it in shared memory.
             text = link.give_up(str(e)) if link.error is None else link.error
+            self._spread(text)
             raise PeerError(text, algorithm=self.algorithm, peer=getattr(e, "peer", None)) from None
         if bool((rows == rows[0]).all()):
             return
@@ -251,9 +279,9 @@ class P2P:
             self.run([], [(every, 0)])
         return every
 
-    def _wait(self, work, meta: list[tuple[str, int]]) -> None:
+    def _wait(self, work, meta: list[tuple[str, int]], sliced: bool = False) -> None:
         try:
-            ok = self.link.wait(work, self.info.timeout, self.algorithm)
+            ok = self.link.wait(work, self.info.timeout, self.algorithm, sliced)
         except RuntimeError as e:
             raise self._error(meta, e) from e
         if ok is False:
@@ -273,7 +301,7 @@ class P2P:
                 self.link.error = text
         elif self.link.error is None:
             self.link.trip(text)
-        self._tell_shm(text)
+        self._spread(text)
         return PeerError(text, algorithm=self.algorithm, peer=gpeer)
 
     def _observed(self, meta: list[tuple[str, int]], cause: BaseException) -> str:
