@@ -154,7 +154,8 @@ class Link:
     # -- giving up --------------------------------------------------------------------
     def give_up(self, text: str) -> str:
         """Publish why this rank gives up (unless a peer did first) and close the
-        connection; returns the text every rank raises."""
+        connection; returns the text every rank raises. Before the group connected it
+        only records the text (there is no store key or socket yet)."""
         if self.error is not None:
             return self.error
         if self.store is not None:

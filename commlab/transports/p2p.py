@@ -145,9 +145,9 @@ class P2P:
                 works = dist.batch_isend_irecv([
                     dist.P2POp(dist.irecv if kind == "receive from" else dist.isend, t, group=g, group_peer=peer)
                     for t, (kind, peer) in zip(tensors, meta)])
+        except CommlabError:
+            raise
         except RuntimeError as e:
-            if isinstance(e, CommlabError):
-                raise
             raise self._error(meta, e) from e
         return Step(self, meta, list(works or []), recv_pos)
 
@@ -157,9 +157,9 @@ class P2P:
         self._refuse_if_failed()
         try:
             work = start(self.link.connect(self.info, self.algorithm))
+        except CommlabError:
+            raise
         except RuntimeError as e:
-            if isinstance(e, CommlabError):
-                raise
             raise self._error([(what, -1)], e) from e
         self._wait(work, [(what, -1)], sliced=True)
 
@@ -176,10 +176,7 @@ class P2P:
                 text = f"commlab[{self.algorithm}]: rank {me} was interrupted (Ctrl-C)"
             else:
                 text = f"commlab[{self.algorithm}]: rank {me} left the call on {type(error).__name__}: {error}"[:600]
-            if link.backend is not None:
-                link.give_up(text)
-            else:
-                link.error = text
+            link.give_up(text)  # unconnected: it only records the text
         self._spread(link.error)  # also when the watcher gave up first (Ctrl-C in a wait)
 
     def _spread(self, text: str) -> None:
@@ -197,10 +194,7 @@ class P2P:
             except CommlabError:  # the sub-group is gone already
                 continue
             if p2p.link.error is None:
-                if p2p.link.backend is not None:
-                    p2p.link.give_up(text)
-                else:
-                    p2p.link.error = text
+                p2p.link.give_up(text)
                 p2p._spread(text)
 
     @staticmethod
@@ -294,11 +288,7 @@ class P2P:
         gpeer = self.info.global_rank(peer) if peer is not None else None
         text = self.link.error or self.link.published()
         if text is None:
-            text = self._observed(meta, cause)
-            if self.link.backend is not None:
-                text = self.link.give_up(text)
-            elif self.link.error is None:
-                self.link.error = text
+            text = self.link.give_up(self._observed(meta, cause))
         elif self.link.error is None:
             self.link.trip(text)
         self._spread(text)
