@@ -113,7 +113,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("calls", &commlab::ShmComm::calls)
       .def_property("oneshot_max", &commlab::ShmComm::oneshot_max, &commlab::ShmComm::set_oneshot_max)
       .def_property("spin", &commlab::ShmComm::spin, &commlab::ShmComm::set_spin)
-      .def_property("yield_us", &commlab::ShmComm::yield_us, &commlab::ShmComm::set_yield_us);
+      .def_property("yield_us", &commlab::ShmComm::yield_us, &commlab::ShmComm::set_yield_us)
+      .def_property("peer_timeout_ms", &commlab::ShmComm::peer_timeout_ms, &commlab::ShmComm::set_peer_timeout_ms);
 
 #ifdef COMMLAB_WITH_CUDA
   pybind11::class_<commlab::IpcComm>(m, "IpcComm", "CUDA IPC all-reduce among processes on distinct, peer-capable GPUs")

@@ -13,9 +13,11 @@ The faults, on rank 1, `--delay` seconds into the loop:
   error-in-call  an error inside commlab's call on that rank (a point-to-point step
                  raises; algorithms without one show "-")
   sigstop        the process freezes, nothing closes (a hung host or a dead link):
-                 peers waiting on the point-to-point transport name it after
-                 COMMLAB_PEER_TIMEOUT seconds without a heartbeat; shared memory waits
-                 for a stopped peer (the drill kills it 5 s later: "not noticed")
+                 peers name it after COMMLAB_PEER_TIMEOUT seconds without a heartbeat
+                 (the drill kills it 5 s later: a peer that raised only then shows
+                 "not noticed")
+  sigstop-between  the same, between two calls: its peers wait for it in the next
+                 call's agreement (not in the default table)
 Each cell: seconds from the fault to the last surviving rank's error.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 FAULTS = ("sigkill", "sigint", "exception", "error-in-call", "sigstop")
+EXTRA_FAULTS = ("sigstop-between",)
 VICTIM = 1
 
 
@@ -72,6 +75,8 @@ def _rank(rank: int, p: int, algorithm: str, fault: str, delay: float, host_of) 
         while time.monotonic() < at + 60:
             if rank == VICTIM and fault == "exception" and time.monotonic() >= at:
                 raise RuntimeError("the rank's own code failed")
+            if rank == VICTIM and fault == "sigstop-between" and time.monotonic() >= at:
+                os.kill(os.getpid(), signal.SIGSTOP)
             commlab.all_reduce(x.fill_(1.0), algorithm=algorithm)
             if not bool((x == p).all()):
                 return {"type": "WRONG DATA", "after": time.monotonic() - at, "calls": calls}
@@ -87,8 +92,18 @@ def _rank(rank: int, p: int, algorithm: str, fault: str, delay: float, host_of) 
     return {"type": None, "after": None, "calls": calls}
 
 
-def applies(algorithm: str, fault: str) -> bool:
-    """error-in-call injects into a point-to-point step: shared-memory algorithms have none."""
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:  # it had exited (a set-up that failed)
+        pass
+
+
+def applies(algorithm: str, fault: str, hosts: int = 1) -> bool:
+    """error-in-call injects into a point-to-point step: shared-memory algorithms have
+    none; shared memory alone does not span hosts."""
+    if hosts > 1 and algorithm in ("shm", "shm_ps"):
+        return False
     return not (fault == "error-in-call" and algorithm in ("shm", "shm_ps", "auto", "hier", "ipc"))
 
 
@@ -101,11 +116,11 @@ def drill(algorithm: str, fault: str, world_size: int = 3, delay: float = 0.5, h
     host_of = [r * hosts // world_size for r in range(world_size)] if hosts > 1 else None
     pool = RankPool(world_size, pg_timeout_s=pg_timeout_s)
     killed_s = None
-    if fault == "sigstop":  # the frozen rank is killed once its peers had every chance to name it
+    if fault.startswith("sigstop"):  # the frozen rank is killed once its peers had every chance to name it
         from commlab.transports.link import peer_timeout
 
         killed_s = peer_timeout() + 5
-        threading.Timer(delay + killed_s, os.kill, (pool.pid(VICTIM), signal.SIGKILL)).start()
+        threading.Timer(delay + killed_s, _kill, (pool.pid(VICTIM),)).start()
     res = pool.outcomes(_rank, algorithm, fault, delay, host_of, timeout=delay + 75)
     survivors = {r: (res[r].result if res[r].status == "ok" else {"type": "NO ANSWER", "error": res[r].error})
                  for r in range(world_size) if r != VICTIM}
@@ -130,6 +145,9 @@ def main(argv=None) -> int:
     ap.add_argument("--delay", type=float, default=0.5)
     a = ap.parse_args(argv)
     faults = a.faults.split(",")
+    unknown = sorted(set(faults) - set(FAULTS + EXTRA_FAULTS))
+    if unknown:
+        ap.error(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULTS + EXTRA_FAULTS)}")
     print(f"# seconds from the fault on rank {VICTIM} to the last of the other {a.world_size - 1} ranks' error "
           f"({a.world_size} ranks, {a.hosts} host(s), COMMLAB_PEER_TIMEOUT={os.environ.get('COMMLAB_PEER_TIMEOUT', 5)})")
     print("| algorithm | " + " | ".join(faults) + " |")
@@ -138,7 +156,7 @@ def main(argv=None) -> int:
     for alg in a.algorithms.split(","):
         cells = []
         for fault in faults:
-            if not applies(alg, fault):
+            if not applies(alg, fault, a.hosts):
                 cells.append("-")
                 continue
             got = drill(alg, fault, a.world_size, a.delay, a.hosts)
@@ -146,7 +164,7 @@ def main(argv=None) -> int:
                 bad += 1
                 kinds = sorted({str(o["type"]) for o in got["survivors"].values()})
                 cells.append("FAIL " + "/".join(kinds))
-            elif not got["noticed"]:  # sigstop on shared memory: it waits for a stopped peer
+            elif not got["noticed"]:  # a freeze seen only once the drill killed the frozen rank
                 cells.append(f"not noticed (killed at {got['last_s']:.0f})")
             else:
                 cells.append(f"{got['last_s']:.2f}")

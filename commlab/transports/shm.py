@@ -20,6 +20,7 @@ import torch.distributed as dist
 from commlab.core import ext, groups
 from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError, UnsupportedError
 from commlab.core.groups import GroupInfo
+from commlab.transports.link import peer_timeout
 from commlab.transports.setup import Entry, agree, differing, gather, host_id, translate
 
 # The defaults below were chosen by measurement: docs/measurements.md#shared-memory-defaults
@@ -101,6 +102,7 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
         comm.oneshot_max = ONESHOT_MAX
         comm.spin = _env_int("COMMLAB_SHM_SPIN", SPIN if own_cores else 0)
         comm.yield_us = _env_int("COMMLAB_SHM_YIELD_US", YIELD_US if own_cores or one_sched_group else 0)
+        comm.peer_timeout_ms = int(peer_timeout() * 1000)
         agree(info, "attaching peer segments", comm.attach)
     except CommlabError:
         # A rank may have died between creating its segment and the unlink: every

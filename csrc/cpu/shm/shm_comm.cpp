@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/file.h>
 #include <sys/mman.h>
@@ -16,8 +17,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "../../common/errors.h"
 #include "../../common/fork.h"
@@ -29,12 +32,13 @@ namespace commlab {
 namespace {
 
 constexpr uint64_t kMagic = 0x31424c4d4d4f43ull;  // "COMMLB1"
-constexpr uint32_t kVersion = 3;
+constexpr uint32_t kVersion = 4;
 constexpr int64_t kDataOffset = 4096;
 constexpr int kReasonBytes = 1024;
 constexpr int64_t kSliceMs = 50;     // longest futex sleep: bounds how late a signal or a death is seen
 constexpr int64_t kLivenessMs = 100;  // how often a sleeping waiter probes the awaited peer
 constexpr int64_t kSignalCheckMs = 20;  // how often a sleeping waiter asks Python for pending signals
+constexpr int64_t kBeatMs = 250;        // how often a process's heart beats in its segments
 
 struct alignas(64) Header {
   uint64_t magic;
@@ -77,11 +81,18 @@ struct alignas(64) CallInfo {
 
 // Why a rank gave up, set once: kind << 32 | (global rank of the cause + 1). The reason
 // text is written before the word is published, so a reader that sees the word reads it.
-enum AbortKind : uint32_t { kTimeout = 1, kDead = 2, kMismatch = 3, kInterrupted = 4, kError = 5 };
+enum AbortKind : uint32_t { kTimeout = 1, kDead = 2, kMismatch = 3, kInterrupted = 4, kError = 5, kFrozen = 6 };
 struct alignas(64) AbortLine {
   std::atomic<uint32_t> claimed;
   std::atomic<uint64_t> word;
   char reason[kReasonBytes];
+};
+
+// Bumped by a thread of the owner's process while it lives and runs: a peer whose lock
+// is held (alive) but whose counter stands still is frozen (SIGSTOP, a debugger, a hung
+// host under a VM), which neither the lock nor a socket ever shows.
+struct alignas(64) BeatLine {
+  std::atomic<uint64_t> beats;
 };
 
 struct Layout {
@@ -90,6 +101,7 @@ struct Layout {
   WakeLine wake;
   AbortLine abort;
   CallInfo info[2];
+  BeatLine beat;
 };
 static_assert(sizeof(Layout) <= kDataOffset, "control block must fit before the data");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics in shared memory");
@@ -122,6 +134,54 @@ const char* kind_name(int kind) {
   static const char* names[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"};
   return kind >= 0 && kind < 5 ? names[kind] : "?";
 }
+
+// One thread per process beats every live communicator's own segment. Plain C++, no
+// GIL: it beats while the main thread computes, waits or holds the GIL; it stops only
+// when the whole process does.
+class Heart {
+ public:
+  static Heart& get() {
+    static Heart* heart = new Heart();  // never destroyed: its thread outlives static destructors
+    return *heart;
+  }
+  void add(std::atomic<uint64_t>* beats) {
+    std::lock_guard<std::mutex> hold(mu_);
+    if (!running_) {
+      running_ = true;
+      std::thread([this] { loop(); }).detach();
+    }
+    beating_.push_back(beats);
+  }
+  void remove(std::atomic<uint64_t>* beats) {
+    std::lock_guard<std::mutex> hold(mu_);
+    beating_.erase(std::remove(beating_.begin(), beating_.end(), beats), beating_.end());
+  }
+
+ private:
+  Heart() {
+    // A child of fork() has no heart thread and may inherit the lock held: it starts
+    // afresh (its copies of the parent's communicators refuse to run anyway).
+    pthread_atfork([] { get().mu_.lock(); }, [] { get().mu_.unlock(); },
+                   [] {
+                     Heart& h = get();
+                     h.running_ = false;
+                     h.beating_.clear();
+                     h.mu_.unlock();
+                   });
+  }
+  void loop() {
+    while (true) {
+      {
+        std::lock_guard<std::mutex> hold(mu_);
+        for (auto* b : beating_) b->fetch_add(1, std::memory_order_relaxed);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(kBeatMs));
+    }
+  }
+  std::mutex mu_;
+  bool running_ = false;
+  std::vector<std::atomic<uint64_t>*> beating_;
+};
 
 }  // namespace
 
@@ -225,6 +285,7 @@ ShmComm::ShmComm(const std::string& token_hex, int64_t rank, int64_t world, int6
   l->abort.word.store(0);
   std::memset(l->abort.reason, 0, sizeof(l->abort.reason));
   std::memset(l->info, 0, sizeof(l->info));
+  l->beat.beats.store(0);
   Header& h = l->header;
   h.version = kVersion;
   h.world = static_cast<uint32_t>(world_);
@@ -237,6 +298,7 @@ ShmComm::ShmComm(const std::string& token_hex, int64_t rank, int64_t world, int6
   std::atomic_thread_fence(std::memory_order_release);
   reinterpret_cast<std::atomic<uint64_t>*>(&h.magic)->store(kMagic, std::memory_order_release);
   segs_[rank_] = own;
+  Heart::get().add(&l->beat.beats);
 }
 
 void ShmComm::attach() {
@@ -299,6 +361,7 @@ void ShmComm::close() {
   // A forked child holds copies of its parent's names and locks: it only lets go of its
   // own mappings and descriptors (closing a copy does not release the parent's lock).
   if (fork_generation_ == fork_generation()) unlink_own();
+  if (segs_[rank_]) Heart::get().remove(&segs_[rank_]->ctl()->beat.beats);
   for (auto*& s : segs_) {
     if (s) {
       if (s->base) munmap(s->base, s->size);
@@ -413,7 +476,8 @@ void ShmComm::check_signals() {
   const uint64_t seen = l->seq.seq.load();
   std::ostringstream msg;
   msg << "commlab shm: rank " << global_ranks_[rank_] << " waited for rank " << global_ranks_[peer] << " (pid "
-      << l->header.pid << ", " << (kind == kDead ? "dead" : "alive") << "): " << why << "; it reached piece "
+      << l->header.pid << ", " << (kind == kDead ? "dead" : kind == kFrozen ? "frozen" : "alive") << "): " << why
+      << "; it reached piece "
       << (seen >> 2) << " phase " << (seen & 3) << ", this rank needs piece " << (target >> 2) << " phase "
       << (target & 3);
   give_up(kind, global_ranks_[peer], msg.str());
@@ -449,6 +513,8 @@ void ShmComm::wait_seq(int peer, uint64_t target) {
   const int64_t start = now_ms();
   const int64_t deadline = start + timeout_ms_;
   int64_t next_probe = start + kLivenessMs;
+  uint64_t beats = l->beat.beats.load(std::memory_order_relaxed);
+  int64_t beat_seen = start;
   int64_t next_signal_check = start + kSignalCheckMs;
   while (true) {
     const uint32_t word = l->wake.word.load(std::memory_order_seq_cst);
@@ -482,6 +548,16 @@ void ShmComm::wait_seq(int peer, uint64_t target) {
         // It may have published what we wait for just before it exited (its last call).
         if (seq.load(std::memory_order_acquire) >= target) return;
         fail_wait(peer, target, kDead, "its process died or closed the communicator");
+      }
+      const uint64_t b = l->beat.beats.load(std::memory_order_relaxed);
+      if (b != beats) {
+        beats = b;
+        beat_seen = now;
+      } else if (peer_timeout_ms_ > 0 && now - beat_seen >= peer_timeout_ms_) {
+        if (seq.load(std::memory_order_acquire) >= target) return;
+        const std::string why = "stopped responding: no heartbeat for " + std::to_string((now - beat_seen) / 1000) +
+                                " s (its process is frozen: stopped, in a debugger, or its host hangs)";
+        fail_wait(peer, target, kFrozen, why.c_str());
       }
     }
   }

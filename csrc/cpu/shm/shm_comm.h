@@ -71,6 +71,9 @@ class ShmComm {
   void set_spin(int64_t n) { spin_ = static_cast<int>(std::max<int64_t>(0, n)); }
   int64_t yield_us() const { return yield_us_; }
   void set_yield_us(int64_t us) { yield_us_ = static_cast<int>(std::max<int64_t>(0, us)); }
+  // A peer whose heartbeat stood still this long is named frozen (<= 0: never).
+  int64_t peer_timeout_ms() const { return peer_timeout_ms_; }
+  void set_peer_timeout_ms(int64_t ms) { peer_timeout_ms_ = ms; }
   std::string segment_name(int64_t rank) const;
   uint64_t calls() const { return calls_; }
   // Global rank this rank lost (waited for in vain, or whose give-up it relays), or -1.
@@ -107,6 +110,7 @@ class ShmComm {
   int64_t oneshot_max_;
   int spin_;
   int yield_us_;
+  int64_t peer_timeout_ms_ = 5000;
   uint64_t fork_generation_;
   std::vector<int64_t> global_ranks_;
   std::vector<Segment*> segs_;
