@@ -7,8 +7,8 @@
 """
 import torch  # noqa: F401  (loads libtorch before commlab._C)
 
-from commlab.core import backend as _backend
-from commlab.core.api import algorithm_names, all_reduce, get_algorithm
+from commlab.api import backend as _backend
+from commlab.api.all_reduce import algorithm_names, all_reduce, get_algorithm
 from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError, UnsupportedError
 
 __version__ = "0.1.0"

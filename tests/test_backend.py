@@ -306,7 +306,7 @@ def test_fsdp2_on_the_commlab_backend_matches_gloo(commlab_ranks):
 def plans_per_call(rank, p):
     """c10d builds a new ReduceOp object for every call: the backend must still reuse one
     plan (a fresh plan per call re-ran auto's host gathering every time)."""
-    from commlab.core import api
+    from commlab.api import all_reduce as api
     x = torch.ones(100)
     dist.all_reduce(x)
     before = len(api._plans)
@@ -510,7 +510,7 @@ def where_calls_run(rank, p):
     backend's thread cost ~120 us per 4 KiB call); async calls run on the backend's."""
     import threading
 
-    from commlab.core import backend
+    from commlab.api import backend
     seen = []
     real_all_reduce, real_broadcast = backend.api.all_reduce, backend.shm.broadcast
 

@@ -10,7 +10,7 @@ LAYERS = [
     ("entry points", ["commlab.allreduce_bench", "commlab.compare", "commlab.advise", "commlab.doctor",
                       "commlab.costmodel", "commlab.hooks", "commlab.predict"]),
     ("tools", ["commlab.training", "commlab.measure", "commlab.diagnostics"]),
-    ("the contract of a call", ["commlab.core.api", "commlab.core.lanes", "commlab.core.backend", "commlab"]),  # the package: the API
+    ("the contract of a call", ["commlab.api", "commlab"]),  # the package: the API
     ("algorithms", ["commlab.algorithms"]),
     ("transports", ["commlab.transports"]),
     ("shared facts", ["commlab.core", "commlab._C"]),
@@ -55,8 +55,8 @@ def imports(path: pathlib.Path, module: str):
             else:
                 target = node.module
             for a in node.names:
-                # `from commlab.core import api` imports the module commlab.core.api;
-                # `from commlab.core.api import all_reduce` imports commlab.core.api.
+                # `from commlab.api import lanes` imports the module commlab.api.lanes;
+                # `from commlab.api.lanes import lane` imports commlab.api.lanes.
                 sub = f"{target}.{a.name}"
                 yield (sub if is_module(sub) else target), node.lineno
 

@@ -130,7 +130,7 @@ def timeout_of(group: dist.ProcessGroup) -> datetime.timedelta:
     for device in ("cpu", "cuda"):
         try:
             backend = group._get_backend(torch.device(device))
-            if hasattr(backend, "commlab_timeout"):  # commlab's own backend (core.backend)
+            if hasattr(backend, "commlab_timeout"):  # commlab's own backend (api.backend)
                 return backend.commlab_timeout
             return backend.options._timeout
         except Exception:  # no backend for that device, or no options exposed

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from commlab import algorithms
-from commlab.core import api
+from commlab.api import all_reduce as api
 from commlab.core.errors import CollectiveMismatchError, CommlabError, UnsupportedError
 from commlab.transports import p2p
 

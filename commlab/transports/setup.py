@@ -108,7 +108,7 @@ def interruptibly(info: GroupInfo, step, transport: str = "shm", what: str = "se
         finally:
             done.set()
 
-    # The name marks it as commlab's own traffic (core/lanes.inside) on a commlab group.
+    # The name marks it as commlab's own traffic (api/lanes.inside) on a commlab group.
     threading.Thread(target=run, name=f"commlab-lane-setup-{transport}", daemon=True).start()
     store = dist.distributed_c10d._get_default_store()
     abort = _abort_key(group)

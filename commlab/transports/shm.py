@@ -152,7 +152,7 @@ def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm
     _call(info, algorithm, lambda comm: comm.allreduce(buf, op, mode), entry)
 
 
-# The backend's other collectives (commlab/core/backend.py): the same communicator and
+# The backend's other collectives (commlab/api/backend.py): the same communicator and
 # sequence as all_reduce, so a rank that calls another collective than its peers gets
 # a mismatch error, never another call's data.
 

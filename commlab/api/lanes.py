@@ -24,7 +24,7 @@ _running = threading.local()
 def inside() -> bool:
     """Is this thread running a commlab collective (inline, on a lane, or on the
     torch.distributed backend's thread)? What such a call issues on its group is
-    commlab's own traffic (commlab/core/backend.py sends it to its inner gloo)."""
+    commlab's own traffic (commlab/api/backend.py sends it to its inner gloo)."""
     return getattr(_running, "on", False) or threading.current_thread().name.startswith("commlab-lane-")
 
 

@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from commlab import algorithms
 from commlab.algorithms.base import Context
-from commlab.core import groups, lanes
+from commlab.api import lanes
+from commlab.core import groups
 from commlab.core.errors import CollectiveMismatchError, UnsupportedError
 from commlab.core.reduction import SUPPORTED_DTYPES, Op, finish_average_, parse_op
 from commlab.transports.p2p import P2P, CallRecord

@@ -30,7 +30,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch._C._distributed_c10d import Work as _C10dWork
 
-from commlab.core import api, groups, lanes
+from commlab.api import all_reduce as api
+from commlab.api import lanes
+from commlab.core import groups
 from commlab.core.errors import CollectiveMismatchError, CommlabError
 from commlab.core.reduction import SUPPORTED_DTYPES, Op, finish_average_, parse_op
 from commlab.transports import shm
