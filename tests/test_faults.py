@@ -56,6 +56,28 @@ def test_mismatch_checking_names_every_rank(ranks):
         assert out[name + " after"] == [3.0] * 4
 
 
+def first_calls_differ(rank, p, mine, theirs):
+    g = dist.new_group(list(range(p)))  # fresh: the first call sets the group up
+    try:
+        commlab.all_reduce(torch.ones(64), group=g, algorithm=theirs if rank == 1 else mine)
+    except commlab.CollectiveMismatchError as e:
+        return "mismatch", str(e)
+    except Exception as e:  # noqa: BLE001 - what the test reports
+        return type(e).__name__, str(e)[:300]
+    finally:
+        dist.destroy_process_group(g)
+    return "returned", ""
+
+
+@pytest.mark.parametrize("mine,theirs", [("shm", "ring"), ("auto", "hier"), ("ring", "rd")])
+def test_different_algorithms_in_a_groups_first_call_are_a_mismatch(ranks, mine, theirs):
+    # shm's set-up gathered rank 1's host id (ring's agreement route) as its facts: a
+    # TypeError on the shm ranks, a PeerError on rank 1, before the set-up steps were named.
+    got = ranks.run(3, first_calls_differ, mine, theirs)
+    assert all(kind == "mismatch" for kind, _ in got), got
+    assert len({text for _, text in got}) == 1, got
+
+
 def shm_mismatch_unchecked(rank, p):
     g = dist.new_group(list(range(p)))
     try:

@@ -83,10 +83,19 @@ _SLICE = 0.02  # s: the longest a setup wait sleeps between looks for an abort m
 
 
 def gather(info: GroupInfo, value, transport: str = "shm", what: str = "setup") -> list:
-    """Every rank's `value`, gathered by gloo on a helper thread (interruptibly)."""
+    """Every rank's `value`, gathered by gloo on a helper thread (interruptibly). Each
+    rank's step (transport, what) travels with it: ranks whose first calls differ (shm's
+    set-up on one rank, ring's agreement on another) raise the same
+    CollectiveMismatchError, not a TypeError on one rank's facts read as another's."""
     out = [None] * info.size
-    interruptibly(info, lambda: dist.all_gather_object(out, value, group=info.group), transport, what)
-    return out
+    interruptibly(info, lambda: dist.all_gather_object(out, (transport, what, value), group=info.group), transport,
+                  what)
+    steps = [o[:2] for o in out]
+    if any(s != steps[0] for s in steps):
+        detail = "; ".join(f"rank {info.global_rank(r)}: {t} {w}" for r, (t, w) in enumerate(steps))
+        raise CollectiveMismatchError(f"commlab: ranks called differently (caught while setting the group up): "
+                                      f"{detail}")
+    return [o[2] for o in out]
 
 
 def interruptibly(info: GroupInfo, step, transport: str = "shm", what: str = "setup"):
