@@ -46,6 +46,25 @@ def test_bench_cli_spawn_json(tmp_path, op, dtype):
     assert csv.read_text().startswith("algorithm,bytes,count")
 
 
+def test_bench_measures_every_all_gather_algorithm_checked(tmp_path):
+    """--collective all_gather: every registered all-gather algorithm, sizes as nccl-tests
+    prints them (the gathered output), busbw = algbw·(p-1)/p, #wrong 0 on every row."""
+    out = tmp_path / "g.json"
+    proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "3", "--collective", "all_gather", "-b", "96",
+                 "-e", "96K", "-f", "32", "--anchors", "none", "-n", "3", "-w", "1", "--rounds", "1",
+                 "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["collective"] == "all_gather"
+    algs = commlab.algorithms.registry("all_gather").for_device("cpu")
+    assert {r["algorithm"] for r in doc["results"]} == set(algs)
+    for r in doc["results"]:
+        assert r["wrong"] == 0, r
+        assert r["bytes"] == 3 * r["count"] * 4  # float32, 3 ranks
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 2 / 3)
+    assert "collective: all_gather" in proc.stdout and "out of bounds values: 0 OK" in proc.stdout
+
+
 @pytest.mark.slow
 def test_bench_on_the_commlab_backend_measures_it_beside_gloo(tmp_path):
     """--backend commlab: every algorithm right on a commlab world group, and a

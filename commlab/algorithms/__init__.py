@@ -1,51 +1,34 @@
-"""The algorithm registry: every module in this package that defines ALGORITHM is
-registered at import, and the API, hooks, CLI, benches and tests all iterate it."""
+"""The algorithm registries, one per collective. The all-reduce family is this
+package's own modules; every other collective is a sub-package with its own registry
+(all_gather/, ...). Every module that defines ALGORITHM is registered at import, and
+the API, hooks, CLI, benches and tests all iterate the registries."""
 from __future__ import annotations
 
 import importlib
-import pkgutil
 
 from commlab.core.errors import UnsupportedError
 
 from .base import Algorithm, Context, Cost, Traffic
+from .registry import Registry
 
-_REGISTRY: dict[str, Algorithm] = {}
+REGISTRY = Registry("all_reduce", Algorithm)
+register = REGISTRY.register
+names = REGISTRY.names
+get = REGISTRY.get
+for_device = REGISTRY.for_device
 
+REGISTRY.discover(__name__, __path__)
 
-def register(alg: Algorithm) -> Algorithm:
-    if not alg.name or alg.name in _REGISTRY:
-        raise ValueError(f"commlab: cannot register algorithm {alg.name!r} (empty or taken)")
-    _REGISTRY[alg.name] = alg
-    return alg
-
-
-def _discover() -> None:
-    for mod in pkgutil.iter_modules(__path__):
-        if mod.name == "base":
-            continue
-        module = importlib.import_module(f"{__name__}.{mod.name}")
-        alg = getattr(module, "ALGORITHM", None)
-        if alg is not None:
-            register(alg)
+COLLECTIVES = ("all_reduce", "all_gather")  # every family; the others are sub-packages of this one
 
 
-def names() -> list[str]:
-    return [a.name for a in sorted(_REGISTRY.values(), key=lambda a: (a.order, a.name))]
+def registry(collective: str) -> Registry:
+    """The registry of a collective's family."""
+    if collective == "all_reduce":
+        return REGISTRY
+    if collective not in COLLECTIVES:
+        raise UnsupportedError(f"commlab: unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
+    return importlib.import_module(f"{__name__}.{collective}").REGISTRY
 
-
-def get(name: str) -> Algorithm:
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise UnsupportedError(
-            f"commlab: unknown algorithm {name!r}; registered: {', '.join(names())}"
-        ) from None
-
-
-def for_device(device_type: str) -> list[str]:
-    return [n for n in names() if device_type in _REGISTRY[n].devices]
-
-
-_discover()
-
-__all__ = ["Algorithm", "Context", "Cost", "Traffic", "register", "names", "get", "for_device"]
+__all__ = ["Algorithm", "Context", "Cost", "Traffic", "Registry", "REGISTRY", "register", "names", "get",
+           "for_device", "COLLECTIVES", "registry"]

@@ -1,4 +1,4 @@
-"""The one shape every all-reduce algorithm has.
+"""The one shape every algorithm has (Member), and every all-reduce algorithm (Algorithm).
 
 An algorithm holds its own facts (cost model, what it supports) and one `run` that
 reduces a flat contiguous buffer in place. Validation, AVG, non-contiguous inputs,
@@ -74,20 +74,26 @@ class Context:
         return self.info.size
 
 
-class Algorithm:
+class Member:
+    """What every algorithm of every collective states about itself: the registry,
+    CLI, README and cost model read these; each family's base adds its `run`."""
+
+    collective: str = ""
     name: str = ""
     summary: str = ""
     formula: str = ""  # the α-β-γ cost, human-readable (README, CLI)
     wins_when: str = ""
     devices: tuple[str, ...] = ("cpu", "cuda")
-    order: int = 100  # position in algorithm_names()
+    order: int = 100  # position in the registry's names()
     level: str = "host"  # what its bytes move over on one host (Stage.level)
 
     def cost(self, p: int, nbytes: float) -> Cost:
+        """The critical path of one call of `nbytes` (nccl-tests' size: the all-reduced
+        buffer, the gathered output, the scattered input, the broadcast tensor)."""
         raise NotImplementedError
 
     def stages(self, hosts: int, per_host: int, nbytes: float) -> list[Stage] | None:
-        """The critical path of one all-reduce of nbytes on `hosts` hosts of `per_host`
+        """The critical path of one call of nbytes on `hosts` hosts of `per_host`
         ranks each (ranks numbered host by host, as torchrun does), per level. On one
         host that is cost() on this algorithm's level; across hosts None unless the
         algorithm derives its schedule (the cost model then leaves it out)."""
@@ -96,16 +102,25 @@ class Algorithm:
             return [Stage(self.level, c.steps, c.bytes_sent, c.bytes_reduced, self.name)]
         return None
 
+    def memory_traffic(self, p: int, nbytes: float) -> Traffic | None:
+        """Bytes the busiest rank reads plus writes, for transports bound by memory
+        bandwidth (shared memory); None for network algorithms."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<commlab {self.collective} algorithm {self.name!r}: {self.summary}>"
+
+
+class Algorithm(Member):
+    """An all-reduce algorithm."""
+
+    collective = "all_reduce"
+
     @staticmethod
     def busbw_factor(p: int) -> float:
         """nccl-tests' all-reduce bus-bandwidth factor 2(p-1)/p: busbw = algbw·factor
         is comparable with link bandwidth whatever the algorithm."""
         return 2.0 * (p - 1) / p if p > 1 else 0.0
-
-    def memory_traffic(self, p: int, nbytes: float) -> Traffic | None:
-        """Bytes the busiest rank reads plus writes, for transports bound by memory
-        bandwidth (shared memory); None for network algorithms."""
-        return None
 
     def unsupported(self, tensor: torch.Tensor, op: Op, info: GroupInfo) -> str | None:
         """Why this algorithm cannot serve the call, from facts every rank shares;
@@ -131,6 +146,3 @@ class Algorithm:
         place and returns True, or returns False having touched nothing. None: no such
         path (the default); the API then always takes `run`."""
         return None
-
-    def __repr__(self) -> str:
-        return f"<commlab algorithm {self.name!r}: {self.summary}>"

@@ -59,13 +59,31 @@ def _arm(fault: str, at: float) -> None:
         p2p.P2P.collective = failing(p2p.P2P.collective)  # builtin: gloo's all-reduce
 
 
-def _rank(rank: int, p: int, algorithm: str, fault: str, delay: float, host_of) -> dict:
+def _call_of(collective: str, algorithm: str, p: int):
+    """One call of the collective on 256 KiB (several steps) and its check."""
     import commlab
 
+    x = torch.ones(1 << 16)
+    if collective == "all_gather":
+        out = torch.empty(p << 16)
+
+        def call():
+            out.zero_()
+            commlab.all_gather(out, x, algorithm=algorithm)
+            return bool((out == 1.0).all())
+        return call
+
+    def reduce():
+        commlab.all_reduce(x.fill_(1.0), algorithm=algorithm)
+        return bool((x == p).all())
+    return reduce
+
+
+def _rank(rank: int, p: int, algorithm: str, fault: str, delay: float, host_of, collective: str = "all_reduce") -> dict:
     if host_of:
         os.environ["COMMLAB_HOST_ID"] = f"h{host_of[rank]}"
-    x = torch.ones(1 << 16)  # 256 KiB: several steps per call
-    commlab.all_reduce(x, algorithm=algorithm)  # set-up is not what is drilled
+    call = _call_of(collective, algorithm, p)
+    call()  # set-up is not what is drilled
     dist.barrier()
     at = time.monotonic() + delay
     if rank == VICTIM:
@@ -77,8 +95,7 @@ def _rank(rank: int, p: int, algorithm: str, fault: str, delay: float, host_of) 
                 raise RuntimeError("the rank's own code failed")
             if rank == VICTIM and fault == "sigstop-between" and time.monotonic() >= at:
                 os.kill(os.getpid(), signal.SIGSTOP)
-            commlab.all_reduce(x.fill_(1.0), algorithm=algorithm)
-            if not bool((x == p).all()):
+            if not call():
                 return {"type": "WRONG DATA", "after": time.monotonic() - at, "calls": calls}
             calls += 1
     except BaseException as e:  # noqa: BLE001 - reported, or the rank dies of it like a script
@@ -108,7 +125,7 @@ def applies(algorithm: str, fault: str, hosts: int = 1) -> bool:
 
 
 def drill(algorithm: str, fault: str, world_size: int = 3, delay: float = 0.5, hosts: int = 1,
-          pg_timeout_s: float = 60.0) -> dict:
+          pg_timeout_s: float = 60.0, collective: str = "all_reduce") -> dict:
     """Run one drill in fresh processes; returns every survivor's outcome and `last_s`,
     the time from the fault to the last survivor's error (None if one never raised)."""
     from commlab.measure.launch import RankPool
@@ -121,29 +138,34 @@ def drill(algorithm: str, fault: str, world_size: int = 3, delay: float = 0.5, h
 
         killed_s = peer_timeout() + 5
         threading.Timer(delay + killed_s, _kill, (pool.pid(VICTIM),)).start()
-    res = pool.outcomes(_rank, algorithm, fault, delay, host_of, timeout=delay + 75)
+    res = pool.outcomes(_rank, algorithm, fault, delay, host_of, collective, timeout=delay + 75)
     survivors = {r: (res[r].result if res[r].status == "ok" else {"type": "NO ANSWER", "error": res[r].error})
                  for r in range(world_size) if r != VICTIM}
     raised = [o for o in survivors.values() if o.get("after") is not None and o["type"] not in (None, "WRONG DATA")]
     last = max(o["after"] for o in raised) if len(raised) == len(survivors) else None
     # A frozen rank's peers that raised only once the drill killed it did not notice the freeze.
     noticed = last is not None and (killed_s is None or last < killed_s - 1.0)
-    return {"algorithm": algorithm, "fault": fault, "world_size": world_size, "hosts": hosts, "last_s": last,
+    return {"algorithm": algorithm, "collective": collective, "fault": fault, "world_size": world_size, "hosts": hosts, "last_s": last,
             "noticed": noticed,
             "survivors": survivors, "same_text": len({o.get("msg") for o in survivors.values()}) == 1}
 
 
 def main(argv=None) -> int:
-    import commlab
+    from commlab import algorithms
+    from commlab.algorithms import all_gather
+
+    COLLECTIVES = {"all_reduce": algorithms, "all_gather": all_gather}
 
     ap = argparse.ArgumentParser(prog="python -m commlab.diagnostics.drill", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-size", type=int, default=3)
-    ap.add_argument("--algorithms", default=",".join(commlab.algorithms.for_device("cpu")))
+    ap.add_argument("--collective", default="all_reduce", choices=COLLECTIVES)
+    ap.add_argument("--algorithms", help="default: every CPU algorithm of the collective")
     ap.add_argument("--faults", default=",".join(FAULTS))
     ap.add_argument("--hosts", type=int, default=1, help="emulated hosts (COMMLAB_HOST_ID), ranks split in order")
     ap.add_argument("--delay", type=float, default=0.5)
     a = ap.parse_args(argv)
+    a.algorithms = a.algorithms or ",".join(COLLECTIVES[a.collective].for_device("cpu"))
     faults = a.faults.split(",")
     unknown = sorted(set(faults) - set(FAULTS + EXTRA_FAULTS))
     if unknown:
@@ -159,7 +181,7 @@ def main(argv=None) -> int:
             if not applies(alg, fault, a.hosts):
                 cells.append("-")
                 continue
-            got = drill(alg, fault, a.world_size, a.delay, a.hosts)
+            got = drill(alg, fault, a.world_size, a.delay, a.hosts, collective=a.collective)
             if got["last_s"] is None:
                 bad += 1
                 kinds = sorted({str(o["type"]) for o in got["survivors"].values()})

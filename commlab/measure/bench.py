@@ -1,11 +1,12 @@
-"""nccl-tests-style all-reduce benchmark over every registered algorithm.
+"""nccl-tests-style benchmark over every registered algorithm of a collective.
 
     torchrun --nproc_per_node=4 -m commlab.allreduce_bench          # CPU default sweep
     python -m commlab.allreduce_bench --world-size 4 -b 4K -e 64M
+    python -m commlab.allreduce_bench --world-size 4 --collective all_gather
     mpiexec -n 4 python -m commlab.allreduce_bench                   # adds an `mpi` row
 
-algbw = S/t (GB/s, 1e9 bytes); busbw = algbw·2(p-1)/p, comparable to link speed
-whatever the algorithm. t is nccl-tests' time: a loop's duration over its iterations,
+algbw = S/t (GB/s, 1e9 bytes); busbw = algbw·2(p-1)/p for all-reduce, algbw·(p-1)/p
+for all-gather (S: the gathered output), comparable to link speed whatever the algorithm. t is nccl-tests' time: a loop's duration over its iterations,
 slowest rank; the median per call (slowest rank per call) is printed beside it.
 """
 from __future__ import annotations
@@ -66,25 +67,28 @@ def run_bench(args) -> dict | None:
     rank, p = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[args.datatype]
     op = parse_op(OPS[args.op])
-    names = algorithms.names() if args.algorithms == "all" else [a.strip() for a in args.algorithms.split(",")]
+    collective = getattr(args, "collective", "all_reduce")
+    family = algorithms.registry(collective)
+    gathers = collective == "all_gather"  # sizes are the gathered output's, nccl-tests' convention
+    names = family.names() if args.algorithms == "all" else [a.strip() for a in args.algorithms.split(",")]
     for n in names:
-        algorithms.get(n)  # unknown names fail here, on every rank alike
-    rows = registry_rows(names, device)
-    anchors, anchor_notes = anchor_rows(args.anchors, dtype, op, device)
+        family.get(n)  # unknown names fail here, on every rank alike
+    rows = registry_rows(names, device, collective)
+    anchors, anchor_notes = anchor_rows(args.anchors, dtype, op, device, collective)
     rows += anchors
     sizes = size_list(args)
     env = envinfo.collect(device)
     env["ranks_per_host"], env["machine_ranks"] = host_layout()
     env["cores"] = len(os.sched_getaffinity(0))
     env["gamma_us_per_byte"] = costmodel.measure_gamma_us_per_byte(dtype, device)
-    if device.type == "cpu" and any(algorithms.get(r.name).memory_traffic(p, 1 << 20) is not None
-                                    for r in rows if r.name in algorithms.names()):
+    if device.type == "cpu" and not gathers and any(algorithms.get(r.name).memory_traffic(p, 1 << 20) is not None
+                                                    for r in rows if r.name in algorithms.names()):
         # Memory-bound transports get a floor: the bandwidth every rank gets with all
         # ranks streaming at once, at each size's working set and at a cache-sized one.
         env["group_bandwidth_gbps"] = {str(n): costmodel.measure_group_bandwidth_gbps(n)
                                        for n in sizes if n >= FLOOR_MIN_BYTES}
         env["group_bandwidth_fast_gbps"] = costmodel.measure_group_bandwidth_gbps(costmodel.FAST_WORKING_SET)
-    if device.type == "cpu" and p > 1 and any(n < FLOOR_MIN_BYTES for n in sizes):
+    if device.type == "cpu" and p > 1 and not gathers and any(n < FLOOR_MIN_BYTES for n in sizes):
         # Small calls' floor: one cache-line handoff, then the result written once.
         env["handoffs"] = costmodel.measure_handoffs()
         small = [n for n in sizes if n in SMALL_FLOOR_SIZES] or [min(sizes)]
@@ -93,7 +97,7 @@ def run_bench(args) -> dict | None:
     progress = Progress(len(sizes) * len(rows) * max(1, args.rounds),
                         enabled=(rank == 0 and sys.stderr.isatty() and not args.quiet))
     for nbytes in sizes:
-        count = max(nbytes // dtype.itemsize, 1)
+        count = max(nbytes // dtype.itemsize // (p if gathers else 1), 1)  # per rank
         fill = 1 if op is Op.PRODUCT else 0  # stays finite however often it is reduced
         buf = torch.full((count,), fill, dtype=dtype, device=device)
         clock = Interleaved(device=device, iters=args.iters, warmup=args.warmup_iters, blocking=args.blocking,
@@ -107,17 +111,23 @@ def run_bench(args) -> dict | None:
             t = clock.result(row.name)
             wrong = -1
             if args.check:
-                x = check_input(rank, count, dtype, op, device)
-                row.call(x, op)
-                wrong_t = torch.tensor([int((x != expected(p, count, dtype, op, device)).sum())], device=device)
+                if gathers:
+                    x = check_input(rank, count, dtype, Op.SUM, device)
+                    row.call(x, op)
+                    want = torch.cat([check_input(r, count, dtype, Op.SUM, device) for r in range(p)])
+                else:
+                    x = check_input(rank, count, dtype, op, device)
+                    row.call(x, op)
+                    want = expected(p, count, dtype, op, device)
+                wrong_t = torch.tensor([int((row.output(x) != want).sum())], device=device)
                 dist.all_reduce(wrong_t)
                 wrong = int(wrong_t.item())
-            size = count * dtype.itemsize
+            size = count * dtype.itemsize * (p if gathers else 1)
             algbw = size / t.mean_us / 1e3
             results.append({
                 "algorithm": row.name, "bytes": size, "count": count, "dtype": str(dtype).replace("torch.", ""),
-                "op": op.name.lower(), "time_us": t.mean_us, "algbw_gbps": algbw,
-                "busbw_gbps": algbw * algorithms.Algorithm.busbw_factor(p), "wrong": wrong,
+                "op": "none" if gathers else op.name.lower(), "time_us": t.mean_us, "algbw_gbps": algbw,
+                "busbw_gbps": algbw * family.busbw_factor(p), "wrong": wrong,
                 "p50_us": t.median_us, "p10_us": t.p10_us, "p90_us": t.p90_us, "iters": t.iters,
             })
     progress.done()
@@ -127,8 +137,8 @@ def run_bench(args) -> dict | None:
     env["anchors_missing"] = anchor_notes
     env["timing"] = "isolated calls after a tight barrier of each row's transport" if args.blocking else \
         "back-to-back calls (nccl-tests' loop time)"
-    doc = {"env": env, "results": results}
-    if getattr(args, "tune", None):
+    doc = {"collective": collective, "env": env, "results": results}
+    if getattr(args, "tune", None) and not gathers:  # auto exists for all-reduce only so far
         doc["tuning"] = tuning_entry(args, doc, device, names)
     return doc if rank == 0 else None
 
@@ -195,10 +205,13 @@ class Progress:
 def report(doc: dict) -> str:
     env, results = doc["env"], doc["results"]
     p = env["world_size"]
+    collective = doc.get("collective", "all_reduce")
     fits = costmodel.fit([(r["algorithm"], p, r["bytes"], r["time_us"]) for r in results],
-                         env.get("gamma_us_per_byte"))
+                         env.get("gamma_us_per_byte"), collective)
     base = {r["bytes"]: r["time_us"] for r in results if r["algorithm"] == "builtin"}
     lines = envinfo.header_lines(env)
+    lines.append(f"# collective: {collective}" + (" (size: the gathered output; count: elements per rank)"
+                                                  if collective == "all_gather" else ""))
     lines.append("#")
     lines.append(f"# {'size':>10} {'count':>10} {'type':>8} {'redop':>6} {'algorithm':>11} {'time(us)':>10} "
                  f"{'p50 call':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'model(us)':>10} {'vs builtin':>10}")
@@ -300,22 +313,29 @@ def small_floor_lines(results: list[dict], env: dict) -> list[str]:
     return out
 
 
-def write_outputs(doc: dict, args) -> None:
+def write_outputs(doc: dict, args, suffix: str | None = None) -> None:
+    """JSON, CSV, plot, tuning; with `suffix` (--collective all) each file name gets it."""
+    def named(path):
+        if not suffix:
+            return path
+        stem, dot, ext = path.rpartition(".")
+        return f"{stem}.{suffix}.{ext}" if dot else f"{path}.{suffix}"
+
     if doc.get("tuning"):
         t = doc["tuning"]
         tuning.write(args.tune, t["device"], t["world_size"], t["hosts"], t["ranges"], t["measured"])
     if args.json:
-        with open(args.json, "w") as f:
+        with open(named(args.json), "w") as f:
             json.dump(doc, f, indent=2)
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
+        with open(named(args.csv), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(doc["results"][0].keys()) if doc["results"] else ["algorithm"])
             w.writeheader()
             w.writerows(doc["results"])
     if args.plot:
         from commlab.measure.plots import plot_bench
 
-        plot_bench(doc, args.plot)
+        plot_bench(doc, named(args.plot))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -331,7 +351,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("-c", "--check", type=int, default=1, help="1: verify results exactly (#wrong)")
     ap.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPES))
     ap.add_argument("-o", "--op", default="sum", choices=sorted(OPS))
-    ap.add_argument("--algorithms", default="all", help="comma list of registered algorithms, or all")
+    ap.add_argument("--collective", default="all_reduce", choices=list(algorithms.COLLECTIVES) + ["all"],
+                    help="the collective measured (all: each in turn); sizes are nccl-tests': the all-reduced buffer, "
+                         "the gathered output")
+    ap.add_argument("--algorithms", default="all", help="comma list of the collective's registered algorithms, or all")
     ap.add_argument("--blocking", action="store_true",
                     help="isolated calls: each starts from a tight barrier made of the row's own transport (a "
                          "one-element all-reduce through it; MPI_Barrier for MPI) and is timed alone")
@@ -364,10 +387,12 @@ def rank_main(args) -> None:
     info = launch.detect()
     backend = args.backend or launch.default_backend(args.device)
     launch.init(info, backend, args.timeout, args.device)
-    doc = run_bench(args)
-    if doc is not None:
-        print(report(doc), flush=True)
-        write_outputs(doc, args)
+    todo = algorithms.COLLECTIVES if args.collective == "all" else (args.collective,)
+    for collective in todo:
+        doc = run_bench(argparse.Namespace(**{**vars(args), "collective": collective}))
+        if doc is not None:
+            print(report(doc), flush=True)
+            write_outputs(doc, args, collective if len(todo) > 1 else None)
     launch.leave()
 
 

@@ -40,9 +40,10 @@ class Fit:
     median_rel_err: float
     max_rel_err: float
     points: int
+    collective: str = "all_reduce"
 
     def predict_us(self, p: int, nbytes: float) -> float:
-        c = algorithms.get(self.algorithm).cost(p, nbytes)
+        c = algorithms.registry(self.collective).get(self.algorithm).cost(p, nbytes)
         return c.time(self.alpha_us, self.beta_us_per_byte, self.gamma_us_per_byte)
 
     @property
@@ -51,8 +52,8 @@ class Fit:
         return 1e-3 / self.beta_us_per_byte if self.beta_us_per_byte > 0 else math.inf
 
 
-def _features(alg: str, p: int, nbytes: float) -> np.ndarray:
-    c = algorithms.get(alg).cost(p, nbytes)
+def _features(alg: str, p: int, nbytes: float, collective: str = "all_reduce") -> np.ndarray:
+    c = algorithms.registry(collective).get(alg).cost(p, nbytes)
     return np.array([c.steps, c.bytes_sent, c.bytes_reduced], dtype=np.float64)
 
 
@@ -219,12 +220,14 @@ def memory_floor_us(traffic, tensor_rate_gbps: float, fast_rate_gbps: float) -> 
     return max(tensor_s, all_s) * 1e6
 
 
-def fit(points: list[tuple[str, int, float, float]], gamma_us_per_byte: float | None = None) -> dict[str, Fit]:
-    """points: (algorithm, world_size, bytes, time_us). Algorithms the registry does
-    not know (external anchors such as `mpi`) have no formula and are skipped. With
-    gamma given, only α and β are fitted, to the time left after the reductions."""
+def fit(points: list[tuple[str, int, float, float]], gamma_us_per_byte: float | None = None,
+        collective: str = "all_reduce") -> dict[str, Fit]:
+    """points: (algorithm, world_size, bytes, time_us) of one collective. Algorithms its
+    registry does not know (external anchors such as `mpi`) have no formula and are
+    skipped. With gamma given, only α and β are fitted, to the time left after the
+    reductions."""
     by_alg: dict[str, list[tuple[int, float, float]]] = {}
-    known = set(algorithms.names())
+    known = set(algorithms.registry(collective).names())
     for alg, p, nbytes, t in points:
         if alg in known and t > 0 and nbytes > 0:
             by_alg.setdefault(alg, []).append((p, nbytes, t))
@@ -232,7 +235,7 @@ def fit(points: list[tuple[str, int, float, float]], gamma_us_per_byte: float | 
     for alg, pts in by_alg.items():
         if len(pts) < 2:
             continue
-        X = np.stack([_features(alg, p, n) for p, n, _ in pts])
+        X = np.stack([_features(alg, p, n, collective) for p, n, _ in pts])
         t = np.array([tt for _, _, tt in pts])
         if gamma_us_per_byte is None:
             a, b, g = _nnls_rel(X, t)
@@ -241,7 +244,8 @@ def fit(points: list[tuple[str, int, float, float]], gamma_us_per_byte: float | 
             # Weighted by the full time, so small sizes still count.
             a, b = _nnls_target(X[:, :2] / t[:, None], (t - g * X[:, 2]) / t)
         rel = np.abs(X @ np.array([a, b, g]) - t) / t
-        fits[alg] = Fit(alg, float(a), float(b), float(g), float(np.median(rel)), float(rel.max()), len(pts))
+        fits[alg] = Fit(alg, float(a), float(b), float(g), float(np.median(rel)), float(rel.max()), len(pts),
+                        collective)
     return fits
 
 

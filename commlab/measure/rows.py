@@ -27,6 +27,23 @@ class Row:
     barrier: Callable[[], None]  # every rank leaves it only after all arrived, through this row's transport
     close: Callable[[], None] = field(default=lambda: None)
     about: str = ""  # the library and what it serves (the report's footer)
+    # The result of the latest call on input t: t itself for all-reduce (in place), the
+    # row's own output buffer for all-gather.
+    output: Callable[[torch.Tensor], torch.Tensor] = field(default=lambda t: t)
+
+
+class Outputs:
+    """One all-gather output buffer per row, for the size being measured (the previous
+    size's is dropped: 64 MiB outputs add up)."""
+
+    def __init__(self, device):
+        self.device, self.key, self.buf = device, None, None
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        key = (t.numel(), t.dtype)
+        if key != self.key:
+            self.key, self.buf = key, torch.empty(dist.get_world_size() * t.numel(), dtype=t.dtype, device=self.device)
+        return self.buf
 
 
 def _barrier_of(call: Callable[[torch.Tensor, Op], None], device) -> Callable[[], None]:
@@ -36,7 +53,9 @@ def _barrier_of(call: Callable[[torch.Tensor, Op], None], device) -> Callable[[]
     return lambda: call(token, Op.SUM)
 
 
-def registry_rows(names: list[str], device) -> list[Row]:
+def registry_rows(names: list[str], device, collective: str = "all_reduce") -> list[Row]:
+    if collective == "all_gather":
+        return _gather_rows(names, device)
     rows = []
     for n in names:
         if device.type not in algorithms.get(n).devices:
@@ -57,12 +76,27 @@ def registry_rows(names: list[str], device) -> list[Row]:
     return rows
 
 
+def _gather_rows(names: list[str], device) -> list[Row]:
+    family = algorithms.registry("all_gather")
+    rows = []
+    for n in names:
+        if device.type not in family.get(n).devices:
+            continue
+        out = Outputs(device)
+
+        def call(t, op, n=n, out=out):
+            commlab.all_gather(out(t), t, algorithm=n)
+
+        rows.append(Row(n, call, _barrier_of(call, device), output=out))
+    return rows
+
+
 MPI_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8)  # numpy has no bfloat16
 
 
-def mpi_row(dtype: torch.dtype, op: Op, device) -> Row | str:
-    """MPI_Allreduce through mpi4py; only when mpiexec launched us, with its own MPI
-    library (launch.mpi_world)."""
+def mpi_row(dtype: torch.dtype, op: Op, device, collective: str = "all_reduce") -> Row | str:
+    """MPI_Allreduce (MPI_Allgather) through mpi4py; only when mpiexec launched us, with
+    its own MPI library (launch.mpi_world)."""
     if dtype not in MPI_DTYPES:
         return f"mpi: mpi4py has no {dtype} buffers"
     MPI, why = launch.mpi_world()
@@ -73,13 +107,23 @@ def mpi_row(dtype: torch.dtype, op: Op, device) -> Row | str:
     library = "openmpi" if "Open MPI" in version else ("mpich" if "MPICH" in version else "mpi")
     mpi_ops = {Op.SUM: MPI.SUM, Op.AVG: MPI.SUM, Op.PRODUCT: MPI.PROD, Op.MIN: MPI.MIN, Op.MAX: MPI.MAX}
 
+    out = Outputs("cpu")
+
     def call(t: torch.Tensor, op: Op) -> None:
         comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=mpi_ops[op])
         if op is Op.AVG:
             finish_average_(t, comm.Get_size())
 
+    def gather(t: torch.Tensor, op: Op) -> None:
+        comm.Allgather(t.numpy(), out(t).numpy())
+
     about = f"{version} through mpi4py; serves SUM, AVG, PRODUCT, MIN, MAX of " + ", ".join(
         str(d).replace("torch.", "") for d in MPI_DTYPES)
+    if collective == "all_gather":
+        if device.type != "cpu":
+            return "mpi: all_gather of host buffers only"
+        return Row(f"mpi:{library}", gather, comm.Barrier, about=f"{version} through mpi4py (MPI_Allgather)",
+                   output=out)
     if device.type == "cuda":
         def staged(t: torch.Tensor, op: Op) -> None:
             # mpi4py takes host buffers (a CUDA-aware MPI is not assumed): through the host.
@@ -94,11 +138,13 @@ def mpi_row(dtype: torch.dtype, op: Op, device) -> Row | str:
 DEEPSPEED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # others it silently leaves unreduced
 
 
-def deepspeed_row(dtype: torch.dtype, op: Op, device) -> Row | str:
+def deepspeed_row(dtype: torch.dtype, op: Op, device, collective: str = "all_reduce") -> Row | str:
     """DeepSpeed's CPU shared-memory all-reduce (torch.ops.deepspeed.inference_all_reduce_,
     JIT-built with ninja on first use). It sums only, serves only 16/32-bit floats, needs
     LOCAL_SIZE equal to the world size (else it crashes) and never unlinks its segments:
     close() does."""
+    if collective != "all_reduce":
+        return f"deepspeed_shm: its CPU shared-memory module serves all-reduce only, not {collective}"
     if device.type != "cpu":
         return "deepspeed_shm: CPU tensors only"
     if op not in (Op.SUM, Op.AVG) or dtype not in DEEPSPEED_DTYPES:
@@ -142,7 +188,8 @@ def deepspeed_row(dtype: torch.dtype, op: Op, device) -> Row | str:
 ANCHORS = {"mpi": mpi_row, "deepspeed": deepspeed_row}
 
 
-def anchor_rows(which: str, dtype: torch.dtype, op: Op, device) -> tuple[list[Row], list[str]]:
+def anchor_rows(which: str, dtype: torch.dtype, op: Op, device, collective: str = "all_reduce"
+                ) -> tuple[list[Row], list[str]]:
     """The anchors asked for (`all`, `none`, or a comma list of ANCHORS' names): the rows
     that can run here, and a line for each that cannot, with why."""
     names = list(ANCHORS) if which == "all" else ([] if which == "none" else [w.strip() for w in which.split(",")])
@@ -150,6 +197,6 @@ def anchor_rows(which: str, dtype: torch.dtype, op: Op, device) -> tuple[list[Ro
     for name in names:
         if name not in ANCHORS:
             raise SystemExit(f"allreduce_bench: unknown anchor {name!r} (anchors: {', '.join(ANCHORS)})")
-        got = ANCHORS[name](dtype, op, device)
+        got = ANCHORS[name](dtype, op, device, collective)
         (notes if isinstance(got, str) else rows).append(got)
     return rows, notes

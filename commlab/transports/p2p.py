@@ -26,7 +26,13 @@ from commlab.transports.link import Link
 # traffic: the group's point-to-point use ends there, with a clear error.
 _links = groups.PerGroup(lambda g: Link(), Link.close)
 
-_DTYPES = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
+# Every dtype a call may name (data movement takes any): the reducible ones first.
+_ALL_DTYPES = tuple(SUPPORTED_DTYPES) + tuple(
+    d for d in (getattr(torch, n, None) for n in ("bool", "int8", "int16", "uint16", "uint32", "uint64", "complex32",
+                                                 "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"))
+    if d is not None and d not in SUPPORTED_DTYPES)
+_DTYPES = {d: i for i, d in enumerate(_ALL_DTYPES)}
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
 
 @functools.lru_cache(maxsize=None)  # a few names, asked on every agreed call
@@ -52,21 +58,23 @@ def abandon(group: dist.ProcessGroup, text: str) -> None:
 class CallRecord:
     """What one call is, as every rank must agree on it before any of its bytes move."""
 
-    def __init__(self, collective: str, elements: int, dtype: torch.dtype, op: Op, algorithm: str, root: int = -1):
+    def __init__(self, collective: str, elements: int, dtype: torch.dtype, op: Op | None, algorithm: str,
+                 root: int = -1):
         self.collective, self.elements, self.dtype, self.op = collective, elements, dtype, op
         self.algorithm, self.root = algorithm, root
 
     def row(self, call: int) -> list[int]:
-        return [call, _code(self.collective), self.elements, _DTYPES.get(self.dtype, -1), int(self.op), self.root,
-                _code(self.algorithm)]
+        return [call, _code(self.collective), self.elements, _DTYPES.get(self.dtype, -1),
+                -1 if self.op is None else int(self.op), self.root, _code(self.algorithm)]
 
 
 def describe(row: list[int], algorithms) -> str:
     """One rank's gathered record, readable: '131072 float32 SUM ring (call 3)'."""
     call, collective, elements, dtype, op, root, algorithm = row
-    dt = str(SUPPORTED_DTYPES[dtype]).replace("torch.", "") if 0 <= dtype < len(SUPPORTED_DTYPES) else "?"
+    dt = str(_ALL_DTYPES[dtype]).replace("torch.", "") if 0 <= dtype < len(_ALL_DTYPES) else "?"
+    how = f" {Op(op).name}" if op >= 0 else ""
     where = f" root {root}" if root >= 0 else ""
-    return (f"{_decode(collective, ('all_reduce',))} of {elements} {dt} {Op(op).name}{where} "
+    return (f"{_decode(collective, COLLECTIVES)} of {elements} {dt}{how}{where} "
             f"by {_decode(algorithm, algorithms)} (call {call})")
 
 
@@ -177,6 +185,11 @@ class P2P:
             else:
                 text = f"commlab[{self.algorithm}]: rank {me} left the call on {type(error).__name__}: {error}"[:600]
             link.give_up(text)  # unconnected: it only records the text
+            if link.backend is None:
+                # Peers may wait in the group's set-up (the first call's gathers): they raise it there.
+                from commlab.transports import setup
+
+                setup.mark_abort(self.info.group, text)
         self._spread(link.error)  # also when the watcher gave up first (Ctrl-C in a wait)
 
     def _spread(self, text: str) -> None:

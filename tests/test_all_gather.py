@@ -1,0 +1,213 @@
+"""The all-gather family (commlab.all_gather, all_gather_into_tensor's contract): every
+registered algorithm on 1-8 ranks, every dtype, sizes not divisible by anything, empty,
+flat and stacked outputs, strided inputs and outputs, the in-place convention, async,
+sub-groups; a mismatch is the same CollectiveMismatchError on every rank, a rank that
+refuses its own arguments makes its peers raise naming it."""
+import time
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commlab
+from commlab.algorithms import all_gather as family
+
+ALGORITHMS = family.for_device("cpu")
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8,
+          torch.int8, torch.bool, torch.complex64]
+
+
+def block(rank: int, n: int, dtype, salt: str = "") -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(f"{rank} {n} {dtype} {salt}".encode()))
+    x = torch.randint(-100, 100, (n,), generator=g, dtype=torch.int64)
+    if dtype == torch.bool:
+        return x > 0
+    if dtype == torch.uint8:
+        return (x + 100).to(dtype)
+    if dtype.is_complex:
+        return torch.complex(x.float(), -x.float()).to(dtype)
+    return x.to(dtype)
+
+
+def sizes_for(p: int) -> list[int]:
+    small = [0, 1, max(p - 1, 1), 7 * p + 3]
+    return small if p >= 8 else small + [1000, 4099]  # 4099 B+: several shm pieces (16 KiB segments)
+
+
+def sweep(rank, p, algorithm):
+    failures, digests = [], {}
+    for dtype in DTYPES:
+        for n in sizes_for(p):
+            want = torch.cat([block(r, n, dtype) for r in range(p)])
+            out = torch.full((p * n,), 7, dtype=dtype) if dtype != torch.bool else torch.zeros(p * n, dtype=dtype)
+            commlab.all_gather(out, block(rank, n, dtype), algorithm=algorithm)
+            if not torch.equal(out, want):
+                bad = (out != want).nonzero()[:5].flatten().tolist()
+                failures.append(f"rank {rank} {dtype} n={n}: wrong at {bad}")
+            digests[f"{dtype} {n}"] = out.view(torch.uint8).sum().item() if n else 0
+            # Stacked output (p, n), as FSDP passes it.
+            stacked = torch.empty(p, n, dtype=dtype)
+            commlab.all_gather(stacked, block(rank, n, dtype), algorithm=algorithm)
+            if not torch.equal(stacked.view(-1), want):
+                failures.append(f"rank {rank} {dtype} n={n}: stacked output wrong")
+    return failures, digests
+
+
+def assert_sweep(results):
+    failures = [f for fails, _ in results for f in fails]
+    assert not failures, "\n".join(failures[:20])
+    assert all(d == results[0][1] for _, d in results)
+
+
+SWEEP = [(w, a) for a in ALGORITHMS for w in (1, 2, 3, 4, 5, 8) if not (a == "builtin" and w > 4)]
+SWEEP = [pytest.param(w, a, marks=pytest.mark.slow) if w > 4 else (w, a) for w, a in SWEEP]
+
+
+@pytest.mark.parametrize("world_size,algorithm", SWEEP)
+def test_sweep(ranks, world_size, algorithm):
+    assert_sweep(ranks.run(world_size, sweep, algorithm, timeout=300))
+
+
+def layouts(rank, p, algorithm):
+    out = []
+    n = 6
+    want = torch.cat([torch.arange(n, dtype=torch.float32) + 100 * r for r in range(p)])
+    # A strided input: every other element of a longer tensor.
+    src = torch.zeros(2 * n)
+    src[::2] = torch.arange(n, dtype=torch.float32) + 100 * rank
+    flat = torch.empty(p * n)
+    commlab.all_gather(flat, src[::2], algorithm=algorithm)
+    if not torch.equal(flat, want):
+        out.append(f"strided input: {flat}")
+    # A strided output (a transposed (n, p) view whose logical order is rank-major).
+    base = torch.zeros(n, p)
+    view = base.t()  # (p, n), not contiguous
+    commlab.all_gather(view, torch.arange(n, dtype=torch.float32) + 100 * rank, algorithm=algorithm)
+    if not torch.equal(view.reshape(-1), want):
+        out.append(f"strided output: {view}")
+    # The in-place convention: the input is this rank's block of the output.
+    whole = torch.zeros(p * n)
+    mine = whole[rank * n:(rank + 1) * n]
+    mine.copy_(torch.arange(n, dtype=torch.float32) + 100 * rank)
+    commlab.all_gather(whole, mine, algorithm=algorithm)
+    if not torch.equal(whole, want):
+        out.append(f"in place: {whole}")
+    # A 0-dim input.
+    s = torch.tensor(float(rank))
+    got = torch.empty(p)
+    commlab.all_gather(got, s, algorithm=algorithm)
+    if not torch.equal(got, torch.arange(p, dtype=torch.float32)):
+        out.append(f"0-dim: {got}")
+    # async: two calls in flight complete in order, with futures.
+    a, b = torch.empty(p * n), torch.empty(p * 2)
+    w1 = commlab.all_gather(a, torch.arange(n, dtype=torch.float32) + 100 * rank, algorithm=algorithm, async_op=True)
+    w2 = commlab.all_gather(b, torch.full((2,), float(rank)), algorithm=algorithm, async_op=True)
+    w2.wait()
+    w1.get_future().wait()
+    if not (torch.equal(a, want) and torch.equal(b, torch.arange(p).repeat_interleave(2).float())):
+        out.append("async results wrong")
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_layouts_inplace_and_async(ranks, algorithm):
+    for fails in ranks.run(3, layouts, algorithm):
+        assert not fails, fails
+
+
+def subgroups(rank, p, algorithm):
+    evens = dist.new_group([0, 2])
+    odds = dist.new_group([1, 3])
+    g = evens if rank % 2 == 0 else odds
+    members = [0, 2] if rank % 2 == 0 else [1, 3]
+    out = torch.empty(2 * 5, dtype=torch.int64)
+    commlab.all_gather(out, torch.full((5,), rank, dtype=torch.int64), group=g, algorithm=algorithm)
+    want = torch.tensor(members).repeat_interleave(5)
+    dist.destroy_process_group(evens)
+    dist.destroy_process_group(odds)
+    return torch.equal(out, want)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_subgroups(ranks, algorithm):
+    assert all(ranks.run(4, subgroups, algorithm))
+
+
+def mismatched(rank, p, algorithm, what):
+    n = 8 if not (what == "size" and rank == 1) else 4
+    dtype = torch.int32 if (what == "dtype" and rank == 1) else torch.float32
+    alg = algorithm if not (what == "algorithm" and rank == 1) else ("ring" if algorithm != "ring" else "rd")
+    g = dist.new_group(list(range(p)))  # a failed group stays failed: not the pool's default one
+    try:
+        if what == "collective" and rank == 1:
+            commlab.all_reduce(torch.ones(n), group=g, algorithm=alg)
+        else:
+            commlab.all_gather(torch.empty(p * n, dtype=dtype), torch.ones(n, dtype=dtype), group=g, algorithm=alg)
+    except commlab.CollectiveMismatchError as e:
+        return "mismatch", str(e)
+    except commlab.CommlabError as e:
+        return type(e).__name__, str(e)
+    finally:
+        dist.destroy_process_group(g)
+    return "returned", ""
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("what", ["size", "dtype", "algorithm", "collective"])
+def test_a_mismatch_is_the_same_error_on_every_rank(ranks, algorithm, what):
+    if what == "collective" and algorithm == "shm":
+        pytest.skip("all_reduce's shm on rank 1 against all_gather's shm: covered by test_shm's kind records")
+    got = ranks.run(3, mismatched, algorithm, what)
+    assert all(kind == "mismatch" for kind, _ in got), got
+    if algorithm != "shm":  # the agreement's text is built from the gathered records alone
+        assert len({text for _, text in got}) == 1, got
+
+
+def wrong_output(rank, p, algorithm):
+    g = dist.new_group(list(range(p)))
+    t0 = time.monotonic()
+    out = torch.empty(p * 8 + (1 if rank == 1 else 0))
+    try:
+        commlab.all_gather(out, torch.ones(8), group=g, algorithm=algorithm)
+    except commlab.CommlabError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    finally:
+        dist.destroy_process_group(g)
+    return "returned", "", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_rank_refusing_its_arguments_makes_every_peer_raise(ranks, algorithm):
+    got = ranks.run(3, wrong_output, algorithm)
+    assert got[1][0] == "UnsupportedError" and "needs world size 3" in got[1][1], got
+    for r in (0, 2):
+        kind, text, took = got[r]
+        assert kind != "returned" and "rank 1" in text, got
+        assert took < 5, got  # not the group's timeout
+
+
+def _faults(*cases):
+    return [c if i < 2 else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(cases)]
+
+
+@pytest.mark.parametrize("algorithm,fault", _faults(
+    ("ring", "sigkill"), ("shm", "sigint"), ("rd", "sigint"), ("direct", "exception"), ("builtin", "sigkill"),
+    ("ring", "error-in-call"), ("shm", "sigkill")))
+def test_a_failed_rank_makes_every_peer_raise_within_two_seconds(algorithm, fault):
+    from commlab.diagnostics.drill import drill
+
+    got = drill(algorithm, fault, world_size=3, collective="all_gather")
+    for r, o in got["survivors"].items():
+        assert o["type"] not in (None, "WRONG DATA", "NO ANSWER") and o["commlab"], (r, o)
+        assert "rank 1" in o["msg"] and o["after"] < 2.0, (r, o)
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_named(monkeypatch):
+    monkeypatch.setenv("COMMLAB_PEER_TIMEOUT", "2")
+    from commlab.diagnostics.drill import drill
+
+    got = drill("rd", "sigstop", world_size=3, collective="all_gather")
+    for r, o in got["survivors"].items():
+        assert "stopped responding" in o["msg"] and o["after"] < 4.5, (r, o)
