@@ -13,7 +13,7 @@ import torch.distributed as dist
 from commlab.measure import launch
 
 STOP = -1
-ALLREDUCE, DDP_STEP = 0, 1
+ALLREDUCE, DDP_STEP, ALLGATHER = 0, 1, 2
 # How a DDP step communicates: DDP's own allreduce, commlab's overlapped hook, the same
 # reduction blocking inside the hook, or no communication at all.
 HOOKS = ["ddp", "async", "blocking", "noop"]
@@ -32,11 +32,17 @@ def _helper(rank: int, world_size: int) -> None:
     import commlab
 
     names = commlab.algorithms.for_device("cpu")
+    gathers = commlab.algorithms.registry("all_gather").for_device("cpu")
     while True:
         kind, a, b, calls = _plan()
         if kind == STOP:
             break
-        if kind == ALLREDUCE:
+        if kind == ALLGATHER:
+            inp, out = gather_buffers(rank, b, world_size)
+            for _ in range(calls):
+                commlab.all_gather(out, inp, algorithm=gathers[a])
+            commlab.all_gather(out, inp, algorithm=gathers[a])  # BenchGroup.check_gather's call
+        elif kind == ALLREDUCE:
             buf = torch.zeros(max(b // 4, 1), dtype=torch.float32)
             for _ in range(calls):
                 commlab.all_reduce(buf, algorithm=names[a])
@@ -82,6 +88,13 @@ def ddp_step(rank: int, hook: str, algorithm: str):
     return step, close
 
 
+def gather_buffers(rank: int, nbytes: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, output) of an all-gather whose output is nbytes (nccl-tests' size); rank r's
+    input holds r + 1."""
+    n = max(nbytes // 4 // world_size, 1)
+    return torch.full((n,), float(rank + 1)), torch.zeros(world_size * n)
+
+
 def checked_input(rank: int, nbytes: int) -> torch.Tensor:
     return torch.full((max(nbytes // 4, 1),), float(rank + 1), dtype=torch.float32)
 
@@ -111,6 +124,13 @@ class BenchGroup:
 
         commlab.all_reduce(x, algorithm=algorithm)
         return x
+
+    def prepare_gather(self, algorithm: str, nbytes: int, calls: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tell the helpers an all-gather comes next; returns rank 0's (input, output)."""
+        import commlab
+
+        _plan([ALLGATHER, commlab.algorithms.registry("all_gather").for_device("cpu").index(algorithm), nbytes, calls])
+        return gather_buffers(0, nbytes, self.world_size)
 
     def checked_sum(self) -> float:
         return float(sum(range(1, self.world_size + 1)))

@@ -1,5 +1,6 @@
-"""pytest bench/ --benchmark-only: each algorithm x {4 KiB, 1 MiB, 16 MiB} on a
-persistent 4-rank gloo group; busbw (nccl-tests definition) in extra_info."""
+"""pytest bench/ --benchmark-only: each all-reduce and all-gather algorithm x {4 KiB,
+1 MiB, 16 MiB} on a persistent 4-rank gloo group; busbw (nccl-tests definition) in
+extra_info."""
 import pytest
 import torch
 
@@ -33,3 +34,27 @@ def test_allreduce(benchmark, bench_group, algorithm, size):
     algbw = buf.numel() * buf.element_size() / t / 1e9
     benchmark.extra_info.update(world_size=p, bytes=buf.numel() * 4, algbw_gbps=algbw,
                                 busbw_gbps=algbw * Algorithm.busbw_factor(p))
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("algorithm", commlab.algorithms.registry("all_gather").for_device("cpu"))
+def test_all_gather(benchmark, bench_group, algorithm, size):
+    nbytes, rounds = SIZES[size], ROUNDS[size]  # nbytes: the gathered output
+    warmup = 2
+    calls = 1 if benchmark.disabled else rounds + warmup
+    inp, out = bench_group.prepare_gather(algorithm, nbytes, calls)
+    benchmark.group = f"all_gather {size}"
+    benchmark.pedantic(commlab.all_gather, args=(out, inp), kwargs={"algorithm": algorithm},
+                       rounds=rounds, iterations=1, warmup_rounds=warmup)
+    # One more call, checked: rank r contributed r + 1 (a rank out of step would hang or mismatch).
+    out.zero_()
+    commlab.all_gather(out, inp, algorithm=algorithm)
+    p = bench_group.world_size
+    want = torch.arange(1, p + 1, dtype=torch.float32).repeat_interleave(inp.numel())
+    assert torch.equal(out, want), (algorithm, size)
+    if benchmark.disabled:
+        return
+    t = benchmark.stats.stats.median
+    algbw = out.numel() * out.element_size() / t / 1e9
+    benchmark.extra_info.update(world_size=p, bytes=out.numel() * 4, algbw_gbps=algbw,
+                                busbw_gbps=algbw * commlab.algorithms.registry("all_gather").busbw_factor(p))

@@ -156,11 +156,10 @@ def mismatched(rank, p, algorithm, what):
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("what", ["size", "dtype", "algorithm", "collective"])
 def test_a_mismatch_is_the_same_error_on_every_rank(ranks, algorithm, what):
-    if what == "collective" and algorithm == "shm":
-        pytest.skip("all_reduce's shm on rank 1 against all_gather's shm: covered by test_shm's kind records")
     got = ranks.run(3, mismatched, algorithm, what)
     assert all(kind == "mismatch" for kind, _ in got), got
-    if algorithm != "shm":  # the agreement's text is built from the gathered records alone
+    if algorithm not in ("shm", "auto", "hier"):  # on one host these are shm, whose texts say "this rank"
+        # The agreement's text is built from the gathered records alone.
         assert len({text for _, text in got}) == 1, got
 
 
@@ -211,3 +210,71 @@ def test_a_frozen_rank_is_named(monkeypatch):
     got = drill("rd", "sigstop", world_size=3, collective="all_gather")
     for r, o in got["survivors"].items():
         assert "stopped responding" in o["msg"] and o["after"] < 4.5, (r, o)
+
+
+LAYOUTS = {  # world size -> host of each rank (COMMLAB_HOST_ID: shared memory serves each host's ranks only)
+    "2x2": (4, [0, 0, 1, 1]),
+    "interleaved 2x2": (4, [0, 1, 0, 1]),
+    "3+1": (4, [0, 0, 0, 1]),
+    "2+1": (3, [1, 0, 0]),
+    "1x3": (3, [0, 1, 2]),
+}
+
+
+def across_hosts(rank, p, hosts, algorithm):
+    import os
+
+    os.environ["COMMLAB_HOST_ID"] = f"h{hosts[rank]}"
+    try:
+        group = dist.new_group()  # a fresh group: host ids are gathered once per group
+        bad = []
+        for n in (1, 5, 4099):  # 4099 float64: several shm pieces of the tests' 16 KiB segments
+            for dtype in (torch.float64, torch.int8):
+                want = torch.cat([block(r, n, dtype) for r in range(p)])
+                out = torch.empty(p * n, dtype=dtype)
+                commlab.all_gather(out, block(rank, n, dtype), group=group, algorithm=algorithm)
+                if not torch.equal(out, want):
+                    bad.append(f"{dtype} n={n}")
+        plan = commlab.api.all_gather._plans.get((algorithm, id(group), torch.int8, True, False))
+        picked = plan.ctx.transport.name if algorithm == "auto" else algorithm
+        dist.destroy_process_group(group)
+        return bad, picked
+    finally:
+        del os.environ["COMMLAB_HOST_ID"]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("algorithm", ["hier", "auto"])
+def test_across_emulated_hosts(ranks, name, algorithm):
+    p, hosts = LAYOUTS[name]
+    got = ranks.run(p, across_hosts, hosts, algorithm)
+    assert all(bad == [] for bad, _ in got), got
+    if algorithm == "auto":  # hier where a host has several ranks, the ring with one rank per host
+        assert {picked for _, picked in got} == {"ring" if name == "1x3" else "hier"}, got
+
+
+def refused_alike_then_usable(rank, p):
+    import os
+
+    os.environ["COMMLAB_HOST_ID"] = f"h{rank % 2}"
+    try:
+        group = dist.new_group()
+        out = torch.empty(p * 4)
+        try:
+            commlab.all_gather(out, torch.ones(4), group=group, algorithm="shm")
+            first = "returned"
+        except commlab.CommlabError as e:
+            first = type(e).__name__
+        commlab.all_gather(out, torch.full((4,), float(rank)), group=group, algorithm="ring")
+        ok = torch.equal(out, torch.arange(p, dtype=torch.float32).repeat_interleave(4))
+        dist.destroy_process_group(group)
+        return first, ok
+    finally:
+        del os.environ["COMMLAB_HOST_ID"]
+
+
+def test_a_refusal_every_rank_shares_leaves_the_group_usable(ranks):
+    # shm across two (emulated) hosts refuses on every rank alike: the group stays usable.
+    # It gave the group up before: the first rank's refusal became the others' PeerError
+    # and every later call on the group raised it (tests/test_twohost.py, 2026-12-04).
+    assert ranks.run(4, refused_alike_then_usable) == [("UnsupportedError", True)] * 4

@@ -275,6 +275,30 @@ def test_lightning_ddp_strategy_on_the_commlab_backend(tmp_path):
 
 
 def fsdp2_parity(rank, p):
+    from commlab.algorithms.all_gather import shm as gather_shm
+    from commlab.transports import shm as transport
+
+    # Counted, not assumed: FSDP's all-gathers reach the all_gather registry's shm, its
+    # reduce-scatters the shared-memory transport.
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+
+    def counting(kind, real):
+        def call(*args, **kwargs):
+            counts[kind] += 1
+            return real(*args, **kwargs)
+        return call
+
+    real_rs = transport.reduce_scatter
+    gather_shm.ALGORITHM.run = counting("all_gather", gather_shm.ALGORITHM.run)  # an instance attribute
+    transport.reduce_scatter = counting("reduce_scatter", real_rs)
+    try:
+        return _fsdp2_runs(rank, counts)
+    finally:
+        del gather_shm.ALGORITHM.run
+        transport.reduce_scatter = real_rs
+
+
+def _fsdp2_runs(rank, counts):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -295,12 +319,18 @@ def fsdp2_parity(rank, p):
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
         out[name] = torch.cat([prm.full_tensor().reshape(-1) for prm in model.parameters()])
-    return {"max_diff": float((out["commlab"] - out["gloo"]).abs().max()), "leftovers": _leftovers()}
+        if name == "commlab":
+            served = dict(counts)
+    return {"max_diff": float((out["commlab"] - out["gloo"]).abs().max()), "leftovers": _leftovers(),
+            "served": served, "after_gloo": dict(counts)}
 
 
 def test_fsdp2_on_the_commlab_backend_matches_gloo(commlab_ranks):
     for got in commlab_ranks(2, fsdp2_parity):
         assert got["max_diff"] < 1e-5 and got["leftovers"] == [], got
+        # 3 steps of 3 sharded modules: every forward and backward gathers, every backward reduce-scatters.
+        assert got["served"]["all_gather"] >= 9 and got["served"]["reduce_scatter"] >= 3, got
+        assert got["after_gloo"] == got["served"], got  # the gloo run went to gloo
 
 
 def plans_per_call(rank, p):

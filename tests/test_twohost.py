@@ -96,6 +96,9 @@ def test_pure_algorithms_across_two_hosts_and_shm_refuses(two_hosts, tmp_path):
                 assert got.count("ranks [") == 2, got  # both hosts named, with their ranks
             else:
                 assert got == "ok", (name, got)
+        for name in commlab.algorithms.registry("all_gather").for_device("cpu"):  # hier and auto: two levels
+            got = res["all_gather"][name]
+            assert (got.startswith("unsupported:") if name == "shm" else got == "ok"), (name, got)
     assert len({json.dumps(r["algorithms"]) for r in results}) == 1, "ranks disagree"
 
 

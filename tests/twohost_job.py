@@ -47,6 +47,15 @@ def main() -> int:
             out["algorithms"][name] = "ok" if torch.equal(x, want) else "wrong"
         except commlab.UnsupportedError as e:
             out["algorithms"][name] = f"unsupported: {e}"
+    out["all_gather"] = {}
+    for name in commlab.algorithms.registry("all_gather").for_device("cpu"):
+        x = torch.arange(1000, dtype=torch.float32) + 1000 * rank
+        got = torch.empty(p * 1000)
+        try:
+            commlab.all_gather(got, x, algorithm=name)
+            out["all_gather"][name] = "ok" if torch.equal(got, torch.arange(p * 1000, dtype=torch.float32)) else "wrong"
+        except commlab.UnsupportedError as e:
+            out["all_gather"][name] = f"unsupported: {e}"
     with open(os.path.join(os.environ["COMMLAB_JOB_OUT"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()

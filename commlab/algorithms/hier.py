@@ -20,7 +20,7 @@ import torch.distributed as dist
 from commlab.core import groups
 from commlab.transports import shm
 from commlab.transports.p2p import P2P
-from commlab.transports.setup import by_host, gather, host_id
+from commlab.transports.setup import by_host, host_ids
 
 from .base import Algorithm, Context, Cost, Stage
 
@@ -159,7 +159,7 @@ _named: dict[str, Algorithm] = {}
 
 def _make_layout(group: dist.ProcessGroup) -> Layout:
     info = groups.resolve(group)
-    members = by_host(gather(info, host_id(), "hier", "grouping ranks by host"))
+    members = by_host(host_ids(info, "hier"))
     mine = next(m for m in members if info.rank in m)
     k = min(len(m) for m in members)
     local = mine.index(info.rank)

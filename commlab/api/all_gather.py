@@ -44,11 +44,18 @@ class _Plan:
 
     def execute(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         p = self.info.size
+        bad = _sizes(out, inp, p)
+        if bad:
+            # This rank's own arguments, which its peers cannot see: it gives the group up,
+            # so they raise at once naming it instead of waiting for it.
+            refused = UnsupportedError(f"commlab[{self.alg.name}]: all_gather {bad}")
+            if p > 1:
+                self.ctx.p2p.give_up(refused)
+            raise refused
         try:
-            bad = _sizes(out, inp, p)
-            if bad:
-                raise UnsupportedError(f"commlab[{self.alg.name}]: all_gather {bad}")
             if self.agree is None:  # collective: every rank's first call of the plan asks here
+                if p > 1:
+                    self.alg.prepare(out, self.ctx)
                 self.agree = p > 1 and not self.alg.checks_calls(self.ctx)
             # An empty call too: its peers may not be empty (shared memory skips empty calls
             # without a record, so an empty one is agreed: the records' sizes differ there).
@@ -67,11 +74,11 @@ class _Plan:
             buf = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
             self.alg.run(buf, flat_in, self.ctx)
             out.copy_(buf.view(out.shape))
-        except CollectiveMismatchError:
-            raise  # raised alike on every rank
+        except (CollectiveMismatchError, UnsupportedError):
+            raise  # raised alike on every rank, from facts they share
         except BaseException as e:
-            # A rank that refuses its own arguments or fails mid-call: its peers, who wait
-            # on it in the agreement or the next step, raise now, naming it.
+            # A rank that fails mid-call: its peers, who wait on it in the agreement or the
+            # next step, raise now, naming it.
             if p > 1:
                 self.ctx.p2p.give_up(e)
             raise

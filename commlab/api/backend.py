@@ -6,10 +6,13 @@ What runs where:
 - all_reduce of one dense CPU tensor: commlab.all_reduce on this group with the
   backend's algorithm (COMMLAB_ALGORITHM, default `auto`), on the backend's own thread,
   so that async callers (DDP's buckets) overlap it with their compute;
-- all_gather (into one tensor or a list), reduce_scatter (from one tensor or a list),
-  broadcast and barrier of dense CPU tensors, when every rank is on one host: commlab's
-  shared memory, on the same thread and sequence (FSDP's two halves of every step);
-  COMMLAB_COLLECTIVES=gloo sends them to gloo instead;
+- all_gather (into one tensor or a list) of CPU tensors: commlab.all_gather with the
+  family's algorithm (COMMLAB_ALL_GATHER_ALGORITHM, default `auto`: shared memory on one
+  host, the ring across hosts), on the same thread and sequence;
+- reduce_scatter (from one tensor or a list), broadcast and barrier of dense CPU
+  tensors, when every rank is on one host: commlab's shared memory, on the same thread
+  and sequence (FSDP's two halves of every step); COMMLAB_COLLECTIVES=gloo sends these
+  and all_gather to gloo instead;
 - every other collective: a gloo backend of the same ranks ("front"), so nothing a
   user calls is missing; issued once every earlier call on the thread is done, so
   calls on one group run in the order they were made;
@@ -30,13 +33,14 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch._C._distributed_c10d import Work as _C10dWork
 
+from commlab.api import all_gather as gathers
 from commlab.api import all_reduce as api
 from commlab.api import lanes
 from commlab.core import groups
 from commlab.core.errors import CollectiveMismatchError, CommlabError
 from commlab.core.reduction import SUPPORTED_DTYPES, Op, finish_average_, parse_op
 from commlab.transports import shm
-from commlab.transports.setup import gather, host_id
+from commlab.transports.setup import gather, host_ids
 
 NAME = "commlab"
 LABEL = "backend"  # how errors name the backend's own calls: commlab[backend]
@@ -95,27 +99,28 @@ class CommlabBackend(_C10dBackend):
                             _caller_waits())
 
     def all_gather_single(self, output, inp, opts):
-        if _internal() or not (_dense(output) and _dense(inp) and output.dtype == inp.dtype
+        if _internal() or not (_cpu_strided(output) and _cpu_strided(inp) and output.dtype == inp.dtype
                                and output.numel() == inp.numel() * self.size()):
             return self._delegate("all_gather_single", output, inp, opts)
-        return self._shm_or_gloo(lambda info: shm.all_gather(_flat(output), _flat(inp), info, LABEL), [output],
-                                 "all_gather_single", output, inp, opts)
+        return self._registry_or_gloo(lambda g: gathers.all_gather(output, inp, g, algorithm=_gather_algorithm()),
+                                      [output], "all_gather_single", output, inp, opts)
 
     def allgather(self, outputs, inputs, opts):
         p = self.size()
-        if _internal() or len(inputs) != 1 or len(outputs) != 1 or len(outputs[0]) != p or not _dense(inputs[0]) \
-                or not all(_dense(o) and o.dtype == inputs[0].dtype and o.numel() == inputs[0].numel()
+        if _internal() or len(inputs) != 1 or len(outputs) != 1 or len(outputs[0]) != p \
+                or not _cpu_strided(inputs[0]) \
+                or not all(_cpu_strided(o) and o.dtype == inputs[0].dtype and o.numel() == inputs[0].numel()
                            for o in outputs[0]):
             return self._delegate("allgather", outputs, inputs, opts)
         inp, outs = inputs[0], outputs[0]
 
-        def run(info):
+        def run(group):
             flat = torch.empty(p * inp.numel(), dtype=inp.dtype)
-            shm.all_gather(flat, _flat(inp), info, LABEL)
+            gathers.all_gather(flat, inp, group, algorithm=_gather_algorithm())
             for j, o in enumerate(outs):
                 o.copy_(flat[j * inp.numel():(j + 1) * inp.numel()].view_as(o))
 
-        return self._shm_or_gloo(run, outputs, "allgather", outputs, inputs, opts)
+        return self._registry_or_gloo(run, outputs, "allgather", outputs, inputs, opts)
 
     def reduce_scatter_single(self, output, inp, opts):
         op = _reduce_op(opts.reduceOp)
@@ -165,12 +170,20 @@ class CommlabBackend(_C10dBackend):
             # call at the same point); the call then goes the way decided.
             decided: list[bool] = []
             group, knob = self._group, self._collectives
-            self._submit(lambda: decided.append(_decide(_alive(group), knob)), []).wait()
+            self._submit(lambda: decided.append(_decide(_alive(group), knob, name)), []).wait()
             self._shm = decided[0]
             if not self._shm:
                 return self._delegate(name, *args)
         group = self._group
         return self._submit(lambda: run(groups.resolve(_alive(group))), result, _caller_waits())
+
+    def _registry_or_gloo(self, run, result, name, *args):
+        """`run(group)` (a call through a family's registry, on any layout) on the
+        backend's thread, unless COMMLAB_COLLECTIVES=gloo sends the collective to gloo."""
+        if self._collectives == "gloo":
+            return self._delegate(name, *args)
+        group = self._group
+        return self._submit(lambda: run(_alive(group)), result, _caller_waits())
 
     # -- everything else: gloo ----------------------------------------------------------
 
@@ -240,15 +253,17 @@ def _alive(ref) -> dist.ProcessGroup:
     return group
 
 
-def _decide(group, knob: str) -> bool:
-    """Do the collectives other than all_reduce go through shared memory? Collective."""
+def _decide(group, knob: str, first: str) -> bool:
+    """Do the collectives other than all_reduce go through shared memory? Collective, on
+    the first of them (named in the step: ranks whose first calls differ are told which)."""
     info = groups.resolve(group)
-    facts = gather(info, (host_id(), knob), LABEL, "choosing where collectives go")
-    if len({f[1] for f in facts}) > 1:
+    what = f"choosing where collectives go (on its first, {first})"
+    knobs = gather(info, knob, LABEL, what)
+    if len(set(knobs)) > 1:
         raise CollectiveMismatchError(
             "commlab backend: ranks set COMMLAB_COLLECTIVES differently: " +
-            ", ".join(f"rank {info.global_rank(r)}: {f[1]}" for r, f in enumerate(facts)))
-    return knob == "shm" and len({f[0] for f in facts}) == 1
+            ", ".join(f"rank {info.global_rank(r)}: {k}" for r, k in enumerate(knobs)))
+    return knob == "shm" and len(set(host_ids(info, LABEL, what))) == 1
 
 
 class _Work(_C10dWork):
@@ -299,6 +314,15 @@ def _internal() -> bool:
 
 def _served(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.layout == torch.strided and not t.is_sparse
+
+
+def _cpu_strided(t: torch.Tensor) -> bool:
+    """What the families' APIs take (any layout of a strided CPU tensor)."""
+    return isinstance(t, torch.Tensor) and t.is_cpu and t.layout == torch.strided
+
+
+def _gather_algorithm() -> str:
+    return os.environ.get("COMMLAB_ALL_GATHER_ALGORITHM", "") or "auto"
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -259,7 +259,7 @@ class P2P:
         on 2 cores: it wakes every rank p-1 times."""
         from commlab.transports import setup, shm
 
-        hosts = setup.gather(self.info, setup.host_id(), self.algorithm, "choosing how calls are agreed")
+        hosts = setup.host_ids(self.info, self.algorithm, "choosing how calls are agreed")
         usable = shm.unsupported(self.info) is None and shm.state_of(self.info).failure is None  # refused before: not again
         if len(set(hosts)) == 1 and usable:
             return P2P._records_through_shm

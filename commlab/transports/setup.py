@@ -11,7 +11,7 @@ import threading
 
 import torch.distributed as dist
 
-from commlab.core import ext
+from commlab.core import ext, groups
 from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError
 from commlab.core.groups import GroupInfo
 
@@ -93,9 +93,23 @@ def gather(info: GroupInfo, value, transport: str = "shm", what: str = "setup") 
     steps = [o[:2] for o in out]
     if any(s != steps[0] for s in steps):
         detail = "; ".join(f"rank {info.global_rank(r)}: {t} {w}" for r, (t, w) in enumerate(steps))
-        raise CollectiveMismatchError(f"commlab: ranks called differently (caught while setting the group up): "
-                                      f"{detail}")
+        raise CollectiveMismatchError(f"commlab: mismatch: ranks called differently (caught while setting the group "
+                                      f"up): {detail}")
     return [o[2] for o in out]
+
+
+_host_ids = groups.PerGroup(lambda g: [])
+
+
+def host_ids(info: GroupInfo, transport: str, what: str = "grouping ranks by host") -> list[str]:
+    """Every rank's host id, gathered on the group's first ask and remembered: shm, the
+    agreement's route, hier, auto and the backend all need it, and a set-up gather is the
+    one step that cannot name a peer that died during it (a later call on transports
+    already set up can). Collective the first time, a lookup after."""
+    known = _host_ids.get(info.group)
+    if not known:
+        known.extend(gather(info, host_id(), transport, what))
+    return list(known)
 
 
 def interruptibly(info: GroupInfo, step, transport: str = "shm", what: str = "setup"):

@@ -21,6 +21,10 @@ class AllGatherAlgorithm(Member):
         """Why this algorithm cannot serve the call, from facts every rank shares."""
         return None
 
+    def prepare(self, out: torch.Tensor, ctx: Context) -> None:
+        """Collective, on every rank's first call of a plan, before checks_calls: what an
+        algorithm decides with its peers (auto's pick)."""
+
     def checks_calls(self, ctx: Context) -> bool:
         """Whether the transport itself compares the ranks' call records (shared
         memory); otherwise the API agrees on every call first (P2P.agree)."""
