@@ -278,3 +278,23 @@ def test_a_refusal_every_rank_shares_leaves_the_group_usable(ranks):
     # It gave the group up before: the first rank's refusal became the others' PeerError
     # and every later call on the group raised it (tests/test_twohost.py, 2026-12-04).
     assert ranks.run(4, refused_alike_then_usable) == [("UnsupportedError", True)] * 4
+
+
+@pytest.mark.parametrize("algorithm", family.names())
+def test_every_cost_and_two_level_schedule_is_computable(algorithm):
+    # rd's two-level schedule raised ValueError (a 5-value unpack into 4 names) for every
+    # power-of-two layout across hosts; nothing called it.
+    alg = family.get(algorithm)
+    for p in (2, 3, 4, 8):
+        assert alg.cost(p, 1 << 20).bytes_sent > 0
+    for hosts, per_host in ((1, 4), (2, 2), (2, 4), (3, 2)):
+        stages = alg.stages(hosts, per_host, 1 << 20)
+        assert stages is None or all(s.steps >= 0 and s.bytes >= 0 for s in stages), (hosts, per_host, stages)
+
+
+def test_recursive_doublings_two_level_schedule():
+    # 2 hosts of 2 ranks: distance 1 stays on a host (1 step, a quarter of n), distance 2
+    # crosses (1 step, half of n per rank, both ranks of a host at once on its link).
+    host, link = family.get("rd").stages(2, 2, 1 << 20)
+    assert (host.level, host.steps, host.bytes) == ("host", 1, (1 << 20) / 4)
+    assert (link.level, link.steps, link.bytes, link.rank_bytes) == ("link", 1, 2 * (1 << 20) / 2, (1 << 20) / 2)

@@ -25,7 +25,7 @@ class RecursiveDoubling(AllGatherAlgorithm):
         if p & (p - 1) or per_host & (per_host - 1):
             return None  # Bruck's shifts cross hosts at every distance: not modelled
         # Partners closer than per_host share a host; the others cross, every rank of a host at once.
-        steps_host, steps_link, b_host, b_link = hosts * per_host, 0, 0, 0.0, 0.0
+        steps_host, steps_link, b_host, b_link = 0, 0, 0.0, 0.0
         d = 1
         while d < p:
             moved = min(d, p - d) * nbytes / p
