@@ -82,3 +82,15 @@ def check(result: torch.Tensor, expected: torch.Tensor, tol) -> str | None:
 def digest(t: torch.Tensor) -> str:
     t = t.detach().contiguous().cpu()
     return hashlib.sha1(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+
+
+# Emulated host layouts (COMMLAB_HOST_ID splits one machine's ranks into hosts; shared
+# memory then serves each host's ranks only): world size -> host of each rank.
+HOST_LAYOUTS = {
+    "2x2": (4, [0, 0, 1, 1]),
+    "interleaved 2x2": (4, [0, 1, 0, 1]),
+    "3+1": (4, [0, 0, 0, 1]),
+    "2+1": (3, [1, 0, 0]),
+    "1x3": (3, [0, 1, 2]),
+    "1 host": (3, [0, 0, 0]),
+}

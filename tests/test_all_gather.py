@@ -9,6 +9,7 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
+from cases import HOST_LAYOUTS
 
 import commlab
 from commlab.algorithms import all_gather as family
@@ -212,15 +213,6 @@ def test_a_frozen_rank_is_named(monkeypatch):
         assert "stopped responding" in o["msg"] and o["after"] < 4.5, (r, o)
 
 
-LAYOUTS = {  # world size -> host of each rank (COMMLAB_HOST_ID: shared memory serves each host's ranks only)
-    "2x2": (4, [0, 0, 1, 1]),
-    "interleaved 2x2": (4, [0, 1, 0, 1]),
-    "3+1": (4, [0, 0, 0, 1]),
-    "2+1": (3, [1, 0, 0]),
-    "1x3": (3, [0, 1, 2]),
-}
-
-
 def across_hosts(rank, p, hosts, algorithm):
     import os
 
@@ -243,14 +235,15 @@ def across_hosts(rank, p, hosts, algorithm):
         del os.environ["COMMLAB_HOST_ID"]
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(HOST_LAYOUTS))
 @pytest.mark.parametrize("algorithm", ["hier", "auto"])
 def test_across_emulated_hosts(ranks, name, algorithm):
-    p, hosts = LAYOUTS[name]
+    p, hosts = HOST_LAYOUTS[name]
     got = ranks.run(p, across_hosts, hosts, algorithm)
     assert all(bad == [] for bad, _ in got), got
-    if algorithm == "auto":  # hier where a host has several ranks, the ring with one rank per host
-        assert {picked for _, picked in got} == {"ring" if name == "1x3" else "hier"}, got
+    if algorithm == "auto":  # shm on one host, hier where a host has several ranks, the ring with one rank per host
+        want = {"1x3": "ring", "1 host": "shm"}.get(name, "hier")
+        assert {picked for _, picked in got} == {want}, got
 
 
 def refused_alike_then_usable(rank, p):

@@ -8,20 +8,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from cases import check, make_input, reference
+from cases import HOST_LAYOUTS, check, make_input, reference
 
 import commlab
 from commlab.algorithms import hier
 from commlab.core.reduction import Op
 
-LAYOUTS = {  # world size -> host of each rank
-    "2x2": (4, [0, 0, 1, 1]),
-    "interleaved 2x2": (4, [0, 1, 0, 1]),
-    "3+1": (4, [0, 0, 0, 1]),
-    "2+1": (3, [1, 0, 0]),
-    "1x3": (3, [0, 1, 2]),
-    "1 host": (3, [0, 0, 0]),
-}
+LAYOUTS = HOST_LAYOUTS
 
 
 def hier_layout(rank, p, hosts, full):
@@ -212,6 +205,6 @@ def test_releasing_a_layout_whose_sub_groups_are_gone_is_quiet():
     from commlab.core.groups import GroupInfo
 
     gone = GroupInfo(ref=lambda: None, rank=0, size=2, global_ranks=(0, 2), timeout=datetime.timedelta(seconds=1))
-    layout = hier.Layout(hosts=2, per_host=[2, 2], local=0, local_size=2, shards=2, intra=gone,
+    layout = hier.Layout(members=[[0, 1], [2, 3]], local=0, local_size=2, shards=2, intra=gone,
                          inter=Context(info=gone, p2p=None))
     hier._release_layout(layout)

@@ -36,13 +36,20 @@ INTER = "builtin"
 class Layout:
     """Every rank's view of the group's hosts, agreed by one gather."""
 
-    hosts: int
-    per_host: list[int]  # ranks on each host, hosts in order of their lowest rank
+    members: list[list[int]]  # group ranks on each host, hosts in order of their lowest rank
     local: int  # this rank's index on its host
     local_size: int
     shards: int  # k: the fewest ranks on any host
     intra: groups.GroupInfo | None  # this host's ranks (None when alone on it)
     inter: Context | None  # the ranks with this local index on every host (None past k, or one host)
+
+    @property
+    def hosts(self) -> int:
+        return len(self.members)
+
+    @property
+    def per_host(self) -> list[int]:
+        return [len(m) for m in self.members]
 
 
 class Hierarchical(Algorithm):
@@ -182,7 +189,7 @@ def _make_layout(group: dist.ProcessGroup) -> Layout:
                 P2P.derive(info, sub)
         if local < k:
             inter = Context(info=peers, p2p=P2P(peers, "hier"))
-    return Layout(hosts=len(members), per_host=[len(m) for m in members], local=local, local_size=len(mine),
+    return Layout(members=members, local=local, local_size=len(mine),
                   shards=k, intra=intra, inter=inter)
 
 

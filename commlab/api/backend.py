@@ -8,7 +8,8 @@ What runs where:
   so that async callers (DDP's buckets) overlap it with their compute;
 - all_gather (into one tensor or a list) of CPU tensors: commlab.all_gather with the
   family's algorithm (COMMLAB_ALL_GATHER_ALGORITHM, default `auto`: shared memory on one
-  host, the ring across hosts), on the same thread and sequence;
+  host, hier across hosts, the ring with one rank per host), on the same thread and
+  sequence;
 - reduce_scatter (from one tensor or a list), broadcast and barrier of dense CPU
   tensors, when every rank is on one host: commlab's shared memory, on the same thread
   and sequence (FSDP's two halves of every step); COMMLAB_COLLECTIVES=gloo sends these

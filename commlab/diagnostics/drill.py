@@ -152,20 +152,17 @@ def drill(algorithm: str, fault: str, world_size: int = 3, delay: float = 0.5, h
 
 def main(argv=None) -> int:
     from commlab import algorithms
-    from commlab.algorithms import all_gather
-
-    COLLECTIVES = {"all_reduce": algorithms, "all_gather": all_gather}
 
     ap = argparse.ArgumentParser(prog="python -m commlab.diagnostics.drill", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-size", type=int, default=3)
-    ap.add_argument("--collective", default="all_reduce", choices=COLLECTIVES)
+    ap.add_argument("--collective", default="all_reduce", choices=algorithms.COLLECTIVES)
     ap.add_argument("--algorithms", help="default: every CPU algorithm of the collective")
     ap.add_argument("--faults", default=",".join(FAULTS))
     ap.add_argument("--hosts", type=int, default=1, help="emulated hosts (COMMLAB_HOST_ID), ranks split in order")
     ap.add_argument("--delay", type=float, default=0.5)
     a = ap.parse_args(argv)
-    a.algorithms = a.algorithms or ",".join(COLLECTIVES[a.collective].for_device("cpu"))
+    a.algorithms = a.algorithms or ",".join(algorithms.registry(a.collective).for_device("cpu"))
     faults = a.faults.split(",")
     unknown = sorted(set(faults) - set(FAULTS + EXTRA_FAULTS))
     if unknown:

@@ -114,23 +114,24 @@ def mpi_row(dtype: torch.dtype, op: Op, device, collective: str = "all_reduce") 
     library = "openmpi" if "Open MPI" in version else ("mpich" if "MPICH" in version else "mpi")
     mpi_ops = {Op.SUM: MPI.SUM, Op.AVG: MPI.SUM, Op.PRODUCT: MPI.PROD, Op.MIN: MPI.MIN, Op.MAX: MPI.MAX}
 
-    out = Outputs("cpu")
+    if collective == "all_gather":
+        if device.type != "cpu":
+            return "mpi: all_gather of host buffers only"
+        out = Outputs("cpu")
+
+        def gather(t: torch.Tensor, op: Op) -> None:
+            comm.Allgather(t.numpy(), out(t).numpy())
+
+        return Row(f"mpi:{library}", gather, comm.Barrier, about=f"{version} through mpi4py (MPI_Allgather)",
+                   output=out)
 
     def call(t: torch.Tensor, op: Op) -> None:
         comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=mpi_ops[op])
         if op is Op.AVG:
             finish_average_(t, comm.Get_size())
 
-    def gather(t: torch.Tensor, op: Op) -> None:
-        comm.Allgather(t.numpy(), out(t).numpy())
-
     about = f"{version} through mpi4py; serves SUM, AVG, PRODUCT, MIN, MAX of " + ", ".join(
         str(d).replace("torch.", "") for d in MPI_DTYPES)
-    if collective == "all_gather":
-        if device.type != "cpu":
-            return "mpi: all_gather of host buffers only"
-        return Row(f"mpi:{library}", gather, comm.Barrier, about=f"{version} through mpi4py (MPI_Allgather)",
-                   output=out)
     if device.type == "cuda":
         def staged(t: torch.Tensor, op: Op) -> None:
             # mpi4py takes host buffers (a CUDA-aware MPI is not assumed): through the host.

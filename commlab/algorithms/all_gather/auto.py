@@ -1,8 +1,8 @@
 """The default all-gather: decided once per group from facts every rank shares (its
 host ids): shared memory when every CPU rank is on one host, hier across hosts where
 some host has several ranks, else the ring (bandwidth-optimal; the sizes FSDP gathers
-are large); the backend's own on GPUs. One pick per
-group, whatever the size, so a size mismatch can never straddle two algorithms."""
+are large); the backend's own on GPUs. One pick per group, whatever the size, so a
+size mismatch can never straddle two algorithms."""
 from __future__ import annotations
 
 from commlab.transports import shm

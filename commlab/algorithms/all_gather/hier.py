@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from commlab.transports import shm
-from commlab.transports.setup import by_host, host_ids
 
 from ..base import Stage
 from ..hier import _layouts
@@ -42,8 +41,8 @@ class Hierarchical(AllGatherAlgorithm):
         if layout.hosts == 1:
             shm.all_gather(out, inp, info, self.name)
             return
-        members = by_host(host_ids(info, "hier"))
-        mine = members[[info.rank in m for m in members].index(True)]
+        members = layout.members
+        mine = next(m for m in members if info.rank in m)
         whole = as_bytes(out).view(info.size, -1)
         n = whole.shape[1]
         # 1. This host's blocks, in its ranks' order, through shared memory.
