@@ -1,36 +1,48 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (issues #3, #6, #13, #18, #19), for a machine with one NVIDIA GPU:
-#   scripts/gpu_check.sh [PART ...]      PARTs: build tests bench probe compare (default: all)
-# Results land in $OUT (the device tool's folder) or /tmp/commlab-gpu-check. All parts
-# take about 6-8 minutes on an H100/H200; the device tool allows 10 minutes a command,
-# so run `build tests bench` and then `probe compare` (the build stays on a warm machine).
-# Builds commlab._C for this GPU only, runs the GPU tests (ipc's P2P kernels in one
-# process, their deadline, 64-bit flags across 2^31 and 2^32 calls, Ctrl-C stopping the
-# kernels, the host-staged path with 2 and 4 processes on the GPU; DDP hooks on CUDA
-# streams against DDP's own allreduce),
-# times ipc next to gloo with CUDA tensors, and runs the DP/DDP comparison on one
-# GPU plus the --share-gpu functional check. Each step has its own time limit and a
-# failed step does not stop the next; everything lands in OUTDIR.
+# The one prepared GPU check (issues #3, #6, #13, #18, #19, #30), for a machine with one NVIDIA GPU:
+#   scripts/gpu_check.sh [PART ...]   PARTs: build tests bench compare gather share bench4 probe (default: all)
+# A lease is ~15 minutes, machine start included, so every part runs in ONE call under one
+# time budget (GPU_CHECK_BUDGET seconds, default 540, under the device tool's 600 s a call):
+# each step gets at most what is left, a step that cannot get 20 s is skipped and said so,
+# the steps run in the order of what matters most, and a failed step does not stop the next.
+# Results: $OUT (the device tool's folder) or /tmp/commlab-gpu-check: summary.txt (one line
+# per step) and all.log (every step's output), within the tool's 8 returned files.
+# Steps: build commlab._C for this GPU only; the GPU tests (ipc's P2P kernels with 2-4
+# communicators in one process, their deadline, 64-bit flags across 2^31 and 2^32 calls,
+# Ctrl-C stopping the kernels, the host-staged path with 2 and 4 processes on the GPU,
+# the CUDA reduction kernels, DDP hooks on CUDA streams against DDP's own allreduce);
+# ipc next to gloo with CUDA tensors (2 ranks); DP/DDP on the GPU beside commlab.predict's
+# columns for this GPU (#18); every all-gather algorithm that claims CUDA (2 ranks on the
+# GPU over gloo); the --share-gpu comparison; ipc at 4 ranks; and, as an experiment, the
+# P2P kernels forced onto two processes sharing the GPU (time-slicing completes them or
+# their 20 s deadline must fire; a hang past the step's limit is a bug).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${OUT:-/tmp/commlab-gpu-check}
-PARTS=" ${*:-build tests bench probe compare} "
+PARTS=" ${*:-build tests bench compare gather share bench4 probe} "
+BUDGET=${GPU_CHECK_BUDGET:-540}
+START=$(date +%s)
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUTDIR"
+LOG="$OUTDIR/all.log" SUMMARY="$OUTDIR/summary.txt"
 export PYTHONUNBUFFERED=1 GLOO_SOCKET_IFNAME=lo
 status=0
 step() {  # step NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
+  local left=$(( BUDGET - ($(date +%s) - START) ))
+  (( limit > left )) && limit=$left
+  if (( limit < 20 )); then
+    echo "=== $name: skipped, ${left}s of the budget left" | tee -a "$LOG" "$SUMMARY"; status=1; return
+  fi
   local t0=$(date +%s)
-  echo "=== $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUTDIR/$name.log"
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+  timeout --kill-after=5 "$limit" "$@" 2>&1 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
-  echo "=== $name: rc=$rc in $(( $(date +%s) - t0 ))s" | tee -a "$OUTDIR/summary.txt"
+  echo "=== $name: rc=$rc in $(( $(date +%s) - t0 ))s" | tee -a "$LOG" "$SUMMARY"
   [ "$rc" -eq 0 ] || status=1
 }
 
-# At most one file per step plus summary.txt: the device tool returns 8 files.
-{ nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))"; } 2>&1 | tee -a "$OUTDIR/summary.txt"
+{ date -u; nvidia-smi -L; python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))"; } 2>&1 | tee -a "$SUMMARY" "$LOG"
 
 if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
   TORCH_CUDA_ARCH_LIST=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability(0))")
@@ -38,31 +50,35 @@ if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
 fi
 [ -n "${CUDA_HOME:-}" ] || { [ -x /usr/local/cuda/bin/nvcc ] && export CUDA_HOME=/usr/local/cuda; }
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-want build && step build 240 python3 setup.py -q build_ext --inplace
-python3 -c "import commlab._C as C; assert C.has_cuda(), 'built without CUDA kernels'" || { echo "no CUDA build"; exit 1; }
+want build && step build 180 python3 setup.py -q build_ext --inplace
+python3 -c "import commlab._C as C; assert C.has_cuda(), 'built without CUDA kernels'" 2>&1 | tee -a "$LOG" "$SUMMARY" \
+  || { echo "no CUDA build" | tee -a "$SUMMARY"; exit 1; }
 
-want tests && step tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_ipc.py tests/test_reduce_kernels.py \
-  tests/test_hooks_cuda.py
+want tests && step tests 150 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_ipc.py \
+  tests/test_reduce_kernels.py tests/test_hooks_cuda.py
 
-want bench && for p in 2 4; do
-  step "bench_$p" 100 python3 -m commlab.allreduce_bench --device cuda --backend gloo --world-size "$p" \
-    --algorithms builtin,ipc -b 4K -e 64M -f 4 --budget 0.2 --rounds 2 --quiet
-done
-
-# Experiment, not a pass/fail check: the P2P kernels forced onto two processes that
-# share this GPU. Either time-slicing lets the barriers complete, or the kernels'
-# 20 s deadline must fire and name the rank; a hang past the step's limit is a bug.
-before=$status
-want probe && step p2p_shared_gpu_probe 60 env COMMLAB_IPC_PATH=peer python3 -m commlab.allreduce_bench --device cuda --backend gloo \
-  --world-size 2 --algorithms ipc -b 4K -e 1M -f 16 --timeout 20 --budget 0.1 --rounds 1 --quiet
-status=$before  # the probe's outcome is reported, not judged
+BENCH=(python3 -m commlab.allreduce_bench --device cuda --backend gloo --budget 0.1 --rounds 2 --quiet)
+want bench && step bench_2 70 "${BENCH[@]}" --world-size 2 --algorithms builtin,ipc -b 4K -e 64M -f 4
 
 # Measured beside commlab.predict's columns for this GPU (issue #18): the roofline's
 # compute against the real kernels.
-want compare && step compare_1gpu 150 python3 -m commlab.compare --device cuda --gpus 1 --world-size 1 --modes dp,ddp,ddp:noop \
-  --model resnet50 --batch-size 64 --iters 10 --warmup 3 --predict h200-sxm-nvlink
-want compare && step compare_share 120 python3 -m commlab.compare --device cuda --share-gpu --world-size 2 --modes ddp,ddp:ipc,ddp:ring,ddp:noop \
-  --model transformer --batch-size 32 --iters 8 --warmup 2
-cat "$OUTDIR/summary.txt" 2>/dev/null
-echo "(p2p_shared_gpu_probe is an experiment: see its log, rc 124 means it hung)"
+want compare && step compare_1gpu 120 python3 -m commlab.compare --device cuda --gpus 1 --world-size 1 \
+  --modes dp,ddp,ddp:noop --model resnet50 --batch-size 64 --iters 10 --warmup 3 --predict h200-sxm-nvlink
+
+# Every all-gather algorithm that claims CUDA tensors, checked (#wrong) on two ranks sharing the GPU.
+want gather && step gather_2 60 "${BENCH[@]}" --collective all_gather --world-size 2 --algorithms all \
+  -b 4K -e 16M -f 16
+
+want share && step compare_share 90 python3 -m commlab.compare --device cuda --share-gpu --world-size 2 \
+  --modes ddp,ddp:ipc,ddp:ring,ddp:noop --model transformer --batch-size 32 --iters 8 --warmup 2
+
+want bench4 && step bench_4 60 "${BENCH[@]}" --world-size 4 --algorithms builtin,ipc -b 4K -e 64M -f 16
+
+before=$status
+want probe && step p2p_shared_gpu_probe 45 env COMMLAB_IPC_PATH=peer python3 -m commlab.allreduce_bench --device cuda \
+  --backend gloo --world-size 2 --algorithms ipc -b 4K -e 1M -f 16 --timeout 20 --budget 0.1 --rounds 1 --quiet
+status=$before  # the probe's outcome is reported, not judged
+echo "total $(( $(date +%s) - START ))s of a ${BUDGET}s budget" | tee -a "$SUMMARY"
+cat "$SUMMARY"
+echo "(p2p_shared_gpu_probe is an experiment: see all.log; rc 124 means it hung)"
 exit $status
