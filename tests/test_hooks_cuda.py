@@ -50,7 +50,7 @@ def cuda_parity(rank, p, algorithm):
     return {"diffs": diffs, "digest": "".join(digest(q) for q in mine.parameters()), "iterations": st["iterations"]}
 
 
-@pytest.mark.parametrize("algorithm", ["builtin", "ipc"])
+@pytest.mark.parametrize("algorithm", ["builtin", "ipc", "ring"])
 def test_hook_on_cuda_matches_ddp(ranks, algorithm):
     res = ranks.run(2, cuda_parity, algorithm)
     for r in res:

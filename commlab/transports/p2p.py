@@ -4,7 +4,10 @@ Every step of an algorithm is one batch of sends and receives posted together. C
 tensors go over the group's own gloo connection (transports/link.py), which any rank
 that gives up closes, so every peer raises the same error within a second instead of
 waiting out the group's timeout; GPU tensors go over the group's backend in one batch
-(batch_isend_irecv), which NCCL needs to avoid send/recv deadlocks. Every wait carries
+(batch_isend_irecv), which NCCL needs to avoid send/recv deadlocks, when that backend
+moves GPU memory itself, and through host copies over the connection when it does not
+(gloo's send and receive take host pointers: a CUDA tensor ended the process with
+"writev: Bad address" on an H200). Every wait carries
 the group's timeout, and a failure names the algorithm and the rank that failed.
 """
 from __future__ import annotations
@@ -25,6 +28,24 @@ from commlab.transports.link import Link
 # of a failed step stay posted, so a retry on the same group could pair with that stale
 # traffic: the group's point-to-point use ends there, with a clear error.
 _links = groups.PerGroup(lambda g: Link(), Link.close)
+
+
+def _moves_cuda(group: dist.ProcessGroup) -> bool:
+    """Whether the group's backend for CUDA tensors sends GPU memory itself (NCCL and the
+    like); gloo's point-to-point takes host pointers only, and a group without a CUDA
+    backend has none."""
+    try:
+        config = str(dist.get_backend_config(group))
+    except (RuntimeError, ValueError, AttributeError):
+        return False
+    for part in config.split(","):
+        device, _, name = part.strip().partition(":")
+        if device == "cuda":
+            return name not in ("gloo", "")
+    return False
+
+
+moves_cuda = groups.PerGroup(_moves_cuda).get  # asked on every GPU step
 
 # Every dtype a call may name (data movement takes any): the reducible ones first.
 _ALL_DTYPES = tuple(SUPPORTED_DTYPES) + tuple(
@@ -82,8 +103,10 @@ class Step:
     """The posted transfers of one step; receives can be awaited one at a time so a
     caller can reduce segment k while segment k+1 is still on the wire."""
 
-    def __init__(self, p2p: "P2P", ops: list[tuple[str, int]], works: list, recv_pos: list):
+    def __init__(self, p2p: "P2P", ops: list[tuple[str, int]], works: list, recv_pos: list,
+                 landing: dict | None = None):
         self._p2p = p2p
+        self._landing = landing or {}  # posted index -> (GPU tensor, its host copy received)
         self._recv_pos = recv_pos  # j-th receive given -> its posted index (None: empty, skipped)
         self._ops = ops  # (kind, peer) per posted op, in posting order
         self._works = works
@@ -100,6 +123,9 @@ class Step:
             return
         self._p2p._wait(self._works[i], [self._ops[i]])
         self._done[i] = True
+        if i in self._landing:
+            device, host = self._landing.pop(i)
+            device.copy_(host)
 
     def wait_recv(self, j: int) -> None:
         """Wait for the j-th receive in the order post() was given them."""
@@ -143,8 +169,16 @@ class P2P:
                 meta.append(("send to", peer))
         if not meta:
             return Step(self, [], [], recv_pos)
+        landing = {}
         try:
-            if tensors[0].is_cpu:
+            if tensors[0].is_cpu or not moves_cuda(self.info.group):
+                if not tensors[0].is_cpu:  # through host memory: sends copied out, receives copied in once done
+                    for i, (t, (kind, _)) in enumerate(zip(tensors, meta)):
+                        if kind == "receive from":
+                            landing[i] = (t, torch.empty(t.shape, dtype=t.dtype))
+                            tensors[i] = landing[i][1]
+                        else:
+                            tensors[i] = t.cpu()
                 backend = self.link.connect(self.info, self.algorithm)
                 works = [backend.recv([t], peer, 0) if kind == "receive from" else backend.send([t], peer, 0)
                          for t, (kind, peer) in zip(tensors, meta)]
@@ -157,7 +191,7 @@ class P2P:
             raise
         except RuntimeError as e:
             raise self._error(meta, e) from e
-        return Step(self, meta, list(works or []), recv_pos)
+        return Step(self, meta, list(works or []), recv_pos, landing)
 
     def collective(self, start, what: str) -> None:
         """Run one of gloo's own collectives on the group's connection: start(backend)

@@ -110,8 +110,7 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for k in range(accum):
-            x, y = wl.make_batch(micro, seed=(i * accum + k) * 1000 + rank)
-            x, y = x.to(device), y.to(device)
+            x, y = wl.make_batch(micro, seed=(i * accum + k) * 1000 + rank, device=device)
             ctx = ddp.no_sync() if k < accum - 1 else contextlib.nullcontext()
             with ctx:
                 loss = forward_loss(x, y) / accum
@@ -197,9 +196,9 @@ def dp_process(rank: int, world: int, args: dict) -> dict:
         for k in range(args["accum_steps"]):
             # The same global data as the DDP ranks see, concatenated in rank order.
             parts = [wl.make_batch(max(args["batch_size"] // gpus // args["accum_steps"], 1),
-                                   seed=(i * args["accum_steps"] + k) * 1000 + r) for r in range(gpus)]
-            x = torch.cat([a for a, _ in parts]).cuda(0)
-            y = torch.cat([b for _, b in parts]).cuda(0)
+                                   seed=(i * args["accum_steps"] + k) * 1000 + r, device="cuda:0") for r in range(gpus)]
+            x = torch.cat([a for a, _ in parts])
+            y = torch.cat([b for _, b in parts])
             with torch.autocast("cuda", dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = wl.loss(model(x).float(), y) / args["accum_steps"]
             (scaler.scale(loss) if scaler else loss).backward()
