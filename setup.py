@@ -95,11 +95,33 @@ def extension():
     return CppExtension("commlab._C", cpp, extra_compile_args={"cxx": cxx}, libraries=["rt"])
 
 
+def _load_runtime_check():
+    """commlab/core/cxx_runtime.py by path: the package cannot be imported before it is built."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_commlab_cxx_runtime",
+                                                  os.path.join(HERE, "commlab", "core", "cxx_runtime.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Build(BuildExtension):
+    """torch's build, then a check that the extension shares the process's C++ runtime."""
+
+    def build_extension(self, ext):
+        super().build_extension(ext)
+        path = self.get_ext_fullpath(ext.name)
+        why = _load_runtime_check().problem(path)
+        if why is not None:
+            os.remove(path)
+            raise SystemExit(f"commlab: {why}")
+
+
 setup(
     name="commlab",
     version=VERSION,
     packages=find_packages(include=["commlab", "commlab.*"]),
     package_data={"commlab.training.predict": ["profiles/*.json"]},  # hardware profiles: data, not code
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": Build.with_options(use_ninja=True)},
 )

@@ -25,7 +25,7 @@ class CudaIpc(Algorithm):
 
     def unsupported(self, tensor, op, info):
         if ext.C is None:
-            return f"commlab._C is not built ({ext.IMPORT_ERROR})"
+            return f"commlab._C is not usable ({ext.IMPORT_ERROR})"
         if not ext.HAS_CUDA:
             return "commlab._C was built without CUDA kernels (no CUDA toolkit at build time, or COMMLAB_NO_CUDA=1)"
         return None
