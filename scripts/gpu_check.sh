@@ -10,7 +10,8 @@
 # Steps: build commlab._C for this GPU only; the GPU tests (ipc's P2P kernels with 2-4
 # communicators in one process, their deadline, 64-bit flags across 2^31 and 2^32 calls,
 # Ctrl-C stopping the kernels, the host-staged path with 2 and 4 processes on the GPU,
-# the CUDA reduction kernels, DDP hooks on CUDA streams against DDP's own allreduce);
+# the CUDA reduction kernels, DDP hooks on CUDA streams against DDP's own allreduce, every
+# pure torch.distributed algorithm of each family on CUDA tensors of a gloo group);
 # ipc next to gloo with CUDA tensors (2 ranks); DP/DDP on the GPU beside commlab.predict's
 # columns for this GPU (#18); every all-gather algorithm that claims CUDA (2 ranks on the
 # GPU over gloo); the --share-gpu comparison; ipc at 4 ranks; and, as an experiment, the
@@ -50,12 +51,21 @@ if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
 fi
 [ -n "${CUDA_HOME:-}" ] || { [ -x /usr/local/cuda/bin/nvcc ] && export CUDA_HOME=/usr/local/cuda; }
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+before=$status
 want build && step build 180 python3 setup.py -q build_ext --inplace
+# The H200 image's CC/CXX (/opt/gcc wrappers) link libstdc++ statically, which setup.py
+# refuses (the first C++ error segfaulted, 2026-12-04): the system compilers then.
+if want build && grep -q "links the C++ runtime statically" "$LOG" && [ -x /usr/bin/g++ ]; then
+  status=$before
+  step build_system_gcc 180 env CC=/usr/bin/gcc CXX=/usr/bin/g++ python3 setup.py -q build_ext --inplace
+fi
 python3 -c "import commlab._C as C; assert C.has_cuda(), 'built without CUDA kernels'" 2>&1 | tee -a "$LOG" "$SUMMARY" \
   || { echo "no CUDA build" | tee -a "$SUMMARY"; exit 1; }
 
-want tests && step tests 150 python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_ipc.py \
-  tests/test_reduce_kernels.py tests/test_hooks_cuda.py
+# Two runs, so a crash in one (a segfault ends pytest) does not hide the other's results.
+PYTEST=(python3 -m pytest -q -p no:cacheprovider --durations=5 ${GPU_CHECK_PYTEST_ARGS:-})
+want tests && step tests_ipc 100 "${PYTEST[@]}" tests/test_ipc.py
+want tests && step tests_cuda 120 "${PYTEST[@]}" tests/test_reduce_kernels.py tests/test_hooks_cuda.py tests/test_gpu_paths.py
 
 BENCH=(python3 -m commlab.allreduce_bench --device cuda --backend gloo --budget 0.1 --rounds 2 --quiet)
 want bench && step bench_2 70 "${BENCH[@]}" --world-size 2 --algorithms builtin,ipc -b 4K -e 64M -f 4
