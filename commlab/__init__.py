@@ -3,6 +3,7 @@
     import commlab
     commlab.all_reduce(t, algorithm="ring")      # same contract as dist.all_reduce
     commlab.all_gather(out, t, algorithm="rd")   # ... as dist.all_gather_into_tensor
+    commlab.reduce_scatter(out, t, algorithm="rh")  # ... as dist.reduce_scatter_tensor
     commlab.algorithm_names()                    # what the registry holds
     dist.init_process_group("commlab")           # unchanged training code on commlab's algorithms
 """
@@ -11,6 +12,7 @@ import torch  # noqa: F401  (loads libtorch before commlab._C)
 from commlab.api import backend as _backend
 from commlab.api.all_gather import all_gather
 from commlab.api.all_reduce import algorithm_names, all_reduce, get_algorithm
+from commlab.api.reduce_scatter import reduce_scatter
 from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError, UnsupportedError
 
 __version__ = "0.1.0"
@@ -20,6 +22,7 @@ _backend.register()  # dist.init_process_group("commlab") / new_group(backend="c
 __all__ = [
     "all_reduce",
     "all_gather",
+    "reduce_scatter",
     "algorithm_names",
     "get_algorithm",
     "CommlabError",

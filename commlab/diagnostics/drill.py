@@ -59,24 +59,47 @@ def _arm(fault: str, at: float) -> None:
         p2p.P2P.collective = failing(p2p.P2P.collective)  # builtin: gloo's all-reduce
 
 
-def _call_of(collective: str, algorithm: str, p: int):
-    """One call of the collective on 256 KiB (several steps) and its check."""
+def _all_reduce_call(algorithm: str, p: int):
     import commlab
 
     x = torch.ones(1 << 16)
-    if collective == "all_gather":
-        out = torch.empty(p << 16)
 
-        def call():
-            out.zero_()
-            commlab.all_gather(out, x, algorithm=algorithm)
-            return bool((out == 1.0).all())
-        return call
-
-    def reduce():
+    def call():
         commlab.all_reduce(x.fill_(1.0), algorithm=algorithm)
         return bool((x == p).all())
-    return reduce
+    return call
+
+
+def _all_gather_call(algorithm: str, p: int):
+    import commlab
+
+    x, out = torch.ones(1 << 16), torch.empty(p << 16)
+
+    def call():
+        out.zero_()
+        commlab.all_gather(out, x, algorithm=algorithm)
+        return bool((out == 1.0).all())
+    return call
+
+
+def _reduce_scatter_call(algorithm: str, p: int):
+    import commlab
+
+    x, out = torch.ones(p << 16), torch.empty(1 << 16)
+
+    def call():
+        out.zero_()
+        commlab.reduce_scatter(out, x, algorithm=algorithm)
+        return bool((out == p).all())
+    return call
+
+
+# One call of each collective on 256 KiB a rank (several steps), returning its check.
+_CALLS = {"all_reduce": _all_reduce_call, "all_gather": _all_gather_call, "reduce_scatter": _reduce_scatter_call}
+
+
+def _call_of(collective: str, algorithm: str, p: int):
+    return _CALLS[collective](algorithm, p)
 
 
 def _rank(rank: int, p: int, algorithm: str, fault: str, delay: float, host_of, collective: str = "all_reduce") -> dict:

@@ -24,9 +24,10 @@ import torch.distributed as dist
 from commlab import algorithms
 from commlab.algorithms import tuning
 from commlab.core import groups
-from commlab.core.reduction import Op, finish_average_, parse_op
+from commlab.core.reduction import Op, parse_op
 from commlab.measure import costmodel, envinfo, launch
 from commlab.measure.rows import anchor_rows, registry_rows
+from commlab.measure.specs import SPECS, check_input, check_op
 from commlab.measure.timing import Interleaved
 from commlab.measure.units import format_bytes, parse_bytes
 from commlab.transports.setup import by_host, gather, host_id
@@ -39,29 +40,6 @@ DTYPES = {
 OPS = {"sum": "SUM", "prod": "PRODUCT", "product": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}
 
 
-def check_input(rank: int, count: int, dtype: torch.dtype, op: Op, device) -> torch.Tensor:
-    """Small integers, exact in every dtype, so #wrong is an exact count."""
-    i = torch.arange(count, dtype=torch.int64)
-    v = ((i + rank) % 2 + 1) if op is Op.PRODUCT else ((i * 7 + rank * 3) % 5)
-    return v.to(dtype).to(device)
-
-
-def expected(p: int, count: int, dtype: torch.dtype, op: Op, device) -> torch.Tensor:
-    xs = torch.stack([check_input(r, count, torch.int64, op, "cpu") for r in range(p)])
-    if op is Op.PRODUCT:
-        red = xs.prod(0)
-    elif op is Op.MIN:
-        red = xs.amin(0)
-    elif op is Op.MAX:
-        red = xs.amax(0)
-    else:
-        red = xs.sum(0)
-    red = red.to(dtype)
-    if op is Op.AVG:
-        finish_average_(red, p)
-    return red.to(device)
-
-
 def run_bench(args) -> dict | None:
     device = torch.device(args.device if args.device != "cuda" else f"cuda:{torch.cuda.current_device()}")
     rank, p = dist.get_rank(), dist.get_world_size()
@@ -69,7 +47,7 @@ def run_bench(args) -> dict | None:
     op = parse_op(OPS[args.op])
     collective = getattr(args, "collective", "all_reduce")
     family = algorithms.registry(collective)
-    gathers = collective == "all_gather"  # sizes are the gathered output's, nccl-tests' convention
+    spec = SPECS[collective]
     names = family.names() if args.algorithms == "all" else [a.strip() for a in args.algorithms.split(",")]
     for n in names:
         family.get(n)  # unknown names fail here, on every rank alike
@@ -81,14 +59,14 @@ def run_bench(args) -> dict | None:
     env["ranks_per_host"], env["machine_ranks"] = host_layout()
     env["cores"] = len(os.sched_getaffinity(0))
     env["gamma_us_per_byte"] = costmodel.measure_gamma_us_per_byte(dtype, device)
-    if device.type == "cpu" and not gathers and any(algorithms.get(r.name).memory_traffic(p, 1 << 20) is not None
+    if device.type == "cpu" and spec.floors and any(algorithms.get(r.name).memory_traffic(p, 1 << 20) is not None
                                                     for r in rows if r.name in algorithms.names()):
         # Memory-bound transports get a floor: the bandwidth every rank gets with all
         # ranks streaming at once, at each size's working set and at a cache-sized one.
         env["group_bandwidth_gbps"] = {str(n): costmodel.measure_group_bandwidth_gbps(n)
                                        for n in sizes if n >= FLOOR_MIN_BYTES}
         env["group_bandwidth_fast_gbps"] = costmodel.measure_group_bandwidth_gbps(costmodel.FAST_WORKING_SET)
-    if device.type == "cpu" and p > 1 and not gathers and any(n < FLOOR_MIN_BYTES for n in sizes):
+    if device.type == "cpu" and p > 1 and spec.floors and any(n < FLOOR_MIN_BYTES for n in sizes):
         # Small calls' floor: one cache-line handoff, then the result written once.
         env["handoffs"] = costmodel.measure_handoffs()
         small = [n for n in sizes if n in SMALL_FLOOR_SIZES] or [min(sizes)]
@@ -97,7 +75,7 @@ def run_bench(args) -> dict | None:
     progress = Progress(len(sizes) * len(rows) * max(1, args.rounds),
                         enabled=(rank == 0 and sys.stderr.isatty() and not args.quiet))
     for nbytes in sizes:
-        count = max(nbytes // dtype.itemsize // (p if gathers else 1), 1)  # per rank
+        count = spec.count(nbytes, dtype.itemsize, p)  # the per-rank input's elements
         fill = 1 if op is Op.PRODUCT else 0  # stays finite however often it is reduced
         buf = torch.full((count,), fill, dtype=dtype, device=device)
         clock = Interleaved(device=device, iters=args.iters, warmup=args.warmup_iters, blocking=args.blocking,
@@ -111,22 +89,17 @@ def run_bench(args) -> dict | None:
             t = clock.result(row.name)
             wrong = -1
             if args.check:
-                if gathers:
-                    x = check_input(rank, count, dtype, Op.SUM, device)
-                    row.call(x, op)
-                    want = torch.cat([check_input(r, count, dtype, Op.SUM, device) for r in range(p)])
-                else:
-                    x = check_input(rank, count, dtype, op, device)
-                    row.call(x, op)
-                    want = expected(p, count, dtype, op, device)
+                x = check_input(rank, count, dtype, check_op(spec, op), device)
+                row.call(x, op)
+                want = spec.want(rank, p, count, dtype, op, device)
                 wrong_t = torch.tensor([int((row.output(x) != want).sum())], device=device)
                 dist.all_reduce(wrong_t)
                 wrong = int(wrong_t.item())
-            size = count * dtype.itemsize * (p if gathers else 1)
+            size = spec.size(count, dtype.itemsize, p)
             algbw = size / t.mean_us / 1e3
             results.append({
                 "algorithm": row.name, "bytes": size, "count": count, "dtype": str(dtype).replace("torch.", ""),
-                "op": "none" if gathers else op.name.lower(), "time_us": t.mean_us, "algbw_gbps": algbw,
+                "op": op.name.lower() if spec.reduces else "none", "time_us": t.mean_us, "algbw_gbps": algbw,
                 "busbw_gbps": algbw * family.busbw_factor(p), "wrong": wrong,
                 "p50_us": t.median_us, "p10_us": t.p10_us, "p90_us": t.p90_us, "iters": t.iters,
             })
@@ -138,7 +111,7 @@ def run_bench(args) -> dict | None:
     env["timing"] = "isolated calls after a tight barrier of each row's transport" if args.blocking else \
         "back-to-back calls (nccl-tests' loop time)"
     doc = {"collective": collective, "env": env, "results": results}
-    if getattr(args, "tune", None) and not gathers:  # auto exists for all-reduce only so far
+    if getattr(args, "tune", None) and spec.tunes:
         doc["tuning"] = tuning_entry(args, doc, device, names)
     return doc if rank == 0 else None
 
@@ -210,8 +183,8 @@ def report(doc: dict) -> str:
                          env.get("gamma_us_per_byte"), collective)
     base = {r["bytes"]: r["time_us"] for r in results if r["algorithm"] == "builtin"}
     lines = envinfo.header_lines(env)
-    lines.append(f"# collective: {collective}" + (" (size: the gathered output; count: elements per rank)"
-                                                  if collective == "all_gather" else ""))
+    note = SPECS[collective].size_note
+    lines.append(f"# collective: {collective}" + (f" ({note})" if note else ""))
     lines.append("#")
     lines.append(f"# {'size':>10} {'count':>10} {'type':>8} {'redop':>6} {'algorithm':>11} {'time(us)':>10} "
                  f"{'p50 call':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'model(us)':>10} {'vs builtin':>10}")

@@ -13,10 +13,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-import commlab
 from commlab import algorithms
 from commlab.core.reduction import TO_TORCH, Op, finish_average_
 from commlab.measure import launch
+from commlab.measure.specs import SPECS, Outputs
 from commlab.measure.timing import agree_min
 
 
@@ -32,20 +32,6 @@ class Row:
     output: Callable[[torch.Tensor], torch.Tensor] = field(default=lambda t: t)
 
 
-class Outputs:
-    """One all-gather output buffer per row, for the size being measured (the previous
-    size's is dropped: 64 MiB outputs add up)."""
-
-    def __init__(self, device):
-        self.device, self.key, self.buf = device, None, None
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        key = (t.numel(), t.dtype)
-        if key != self.key:
-            self.key, self.buf = key, torch.empty(dist.get_world_size() * t.numel(), dtype=t.dtype, device=self.device)
-        return self.buf
-
-
 def _barrier_of(call: Callable[[torch.Tensor, Op], None], device) -> Callable[[], None]:
     """A one-element all-reduce through the same transport: no rank leaves before every
     rank arrived, and the transport's own synchronisation is what is timed."""
@@ -54,18 +40,27 @@ def _barrier_of(call: Callable[[torch.Tensor, Op], None], device) -> Callable[[]
 
 
 def registry_rows(names: list[str], device, collective: str = "all_reduce") -> list[Row]:
-    if collective == "all_gather":
-        return _gather_rows(names, device)
+    spec = SPECS[collective]
+    family = algorithms.registry(collective)
     rows = []
     for n in names:
-        if device.type not in algorithms.get(n).devices:
+        if device.type not in family.get(n).devices:
             continue
+        out = Outputs.of(spec, device)
 
-        def call(t, op, n=n):
-            commlab.all_reduce(t, op=op, algorithm=n)
+        def call(t, op, n=n, out=out):
+            spec.run(n, out(t) if out else None, t, op)
 
-        rows.append(Row(n, call, _barrier_of(call, device)))
-    if "builtin" in names and device.type == "cpu" and dist.get_backend() == "commlab":
+        # The barrier's one-element call has an output of its own: sharing the call's
+        # would reallocate a 64 MiB output around every isolated call (36 ms, not 8).
+        token_out = Outputs.of(spec, device)
+        token = torch.zeros(spec.count(4, 4, dist.get_world_size()), dtype=torch.float32, device=device)
+
+        def barrier(n=n, token_out=token_out, token=token):
+            spec.run(n, token_out(token) if token_out else None, token, Op.SUM)
+
+        rows.append(Row(n, call, barrier, output=out or (lambda t: t)))
+    if "builtin" in names and device.type == "cpu" and dist.get_backend() == "commlab" and collective == "all_reduce":
         # On a commlab group `builtin` is the backend's inner gloo (what commlab's own
         # algorithms issue); unchanged training code gets dist.all_reduce on the backend.
         def backend_call(t, op):
@@ -76,34 +71,13 @@ def registry_rows(names: list[str], device, collective: str = "all_reduce") -> l
     return rows
 
 
-def _gather_rows(names: list[str], device) -> list[Row]:
-    family = algorithms.registry("all_gather")
-    rows = []
-    for n in names:
-        if device.type not in family.get(n).devices:
-            continue
-        out, token_out = Outputs(device), Outputs(device)
-
-        def call(t, op, n=n, out=out):
-            commlab.all_gather(out(t), t, algorithm=n)
-
-        # The barrier's one-element gather has an output of its own: sharing the call's
-        # would reallocate a 64 MiB output around every isolated call (36 ms, not 8).
-        token = torch.zeros(1, dtype=torch.float32, device=device)
-
-        def barrier(n=n, token_out=token_out):
-            commlab.all_gather(token_out(token), token, algorithm=n)
-
-        rows.append(Row(n, call, barrier, output=out))
-    return rows
-
-
 MPI_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8)  # numpy has no bfloat16
 
 
 def mpi_row(dtype: torch.dtype, op: Op, device, collective: str = "all_reduce") -> Row | str:
-    """MPI_Allreduce (MPI_Allgather) through mpi4py; only when mpiexec launched us, with
-    its own MPI library (launch.mpi_world)."""
+    """The collective through mpi4py (MPI_Allreduce, MPI_Allgather,
+    MPI_Reduce_scatter_block: SPECS); only when mpiexec launched us, with its own MPI
+    library (launch.mpi_world)."""
     if dtype not in MPI_DTYPES:
         return f"mpi: mpi4py has no {dtype} buffers"
     MPI, why = launch.mpi_world()
@@ -114,19 +88,22 @@ def mpi_row(dtype: torch.dtype, op: Op, device, collective: str = "all_reduce") 
     library = "openmpi" if "Open MPI" in version else ("mpich" if "MPICH" in version else "mpi")
     mpi_ops = {Op.SUM: MPI.SUM, Op.AVG: MPI.SUM, Op.PRODUCT: MPI.PROD, Op.MIN: MPI.MIN, Op.MAX: MPI.MAX}
 
-    if collective == "all_gather":
+    spec = SPECS[collective]
+    if spec.output is not None:
         if device.type != "cpu":
-            return "mpi: all_gather of host buffers only"
-        out = Outputs("cpu")
+            return f"mpi: {collective} of host buffers only"
+        out = Outputs.of(spec, "cpu")
 
-        def gather(t: torch.Tensor, op: Op) -> None:
-            comm.Allgather(t.numpy(), out(t).numpy())
+        def other(t: torch.Tensor, op: Op) -> None:
+            spec.mpi(comm, MPI, mpi_ops[op], out(t), t)
+            if op is Op.AVG and spec.reduces:
+                finish_average_(out(t), comm.Get_size())
 
-        return Row(f"mpi:{library}", gather, comm.Barrier, about=f"{version} through mpi4py (MPI_Allgather)",
+        return Row(f"mpi:{library}", other, comm.Barrier, about=f"{version} through mpi4py ({spec.mpi_name})",
                    output=out)
 
     def call(t: torch.Tensor, op: Op) -> None:
-        comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=mpi_ops[op])
+        spec.mpi(comm, MPI, mpi_ops[op], None, t)
         if op is Op.AVG:
             finish_average_(t, comm.Get_size())
 
