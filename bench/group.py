@@ -13,7 +13,7 @@ import torch.distributed as dist
 from commlab.measure import launch
 
 STOP = -1
-ALLREDUCE, DDP_STEP, ALLGATHER = 0, 1, 2
+ALLREDUCE, DDP_STEP, ALLGATHER, REDUCESCATTER = 0, 1, 2, 3
 # How a DDP step communicates: DDP's own allreduce, commlab's overlapped hook, the same
 # reduction blocking inside the hook, or no communication at all.
 HOOKS = ["ddp", "async", "blocking", "noop"]
@@ -33,6 +33,7 @@ def _helper(rank: int, world_size: int) -> None:
 
     names = commlab.algorithms.for_device("cpu")
     gathers = commlab.algorithms.registry("all_gather").for_device("cpu")
+    scatters = commlab.algorithms.registry("reduce_scatter").for_device("cpu")
     while True:
         kind, a, b, calls = _plan()
         if kind == STOP:
@@ -42,6 +43,10 @@ def _helper(rank: int, world_size: int) -> None:
             for _ in range(calls):
                 commlab.all_gather(out, inp, algorithm=gathers[a])
             commlab.all_gather(out, inp, algorithm=gathers[a])  # BenchGroup.check_gather's call
+        elif kind == REDUCESCATTER:
+            inp, out = scatter_buffers(rank, b, world_size)
+            for _ in range(calls + 1):  # the last one: the test's checked call
+                commlab.reduce_scatter(out, inp, algorithm=scatters[a])
         elif kind == ALLREDUCE:
             buf = torch.zeros(max(b // 4, 1), dtype=torch.float32)
             for _ in range(calls):
@@ -95,6 +100,13 @@ def gather_buffers(rank: int, nbytes: int, world_size: int) -> tuple[torch.Tenso
     return torch.full((n,), float(rank + 1)), torch.zeros(world_size * n)
 
 
+def scatter_buffers(rank: int, nbytes: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, output) of a reduce-scatter whose input is nbytes (nccl-tests' size); rank
+    r's input holds r + 1, so every output holds the sum of 1..p."""
+    n = max(nbytes // 4 // world_size, 1)
+    return torch.full((world_size * n,), float(rank + 1)), torch.zeros(n)
+
+
 def checked_input(rank: int, nbytes: int) -> torch.Tensor:
     return torch.full((max(nbytes // 4, 1),), float(rank + 1), dtype=torch.float32)
 
@@ -131,6 +143,14 @@ class BenchGroup:
 
         _plan([ALLGATHER, commlab.algorithms.registry("all_gather").for_device("cpu").index(algorithm), nbytes, calls])
         return gather_buffers(0, nbytes, self.world_size)
+
+    def prepare_scatter(self, algorithm: str, nbytes: int, calls: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tell the helpers a reduce-scatter comes next; returns rank 0's (input, output)."""
+        import commlab
+
+        _plan([REDUCESCATTER, commlab.algorithms.registry("reduce_scatter").for_device("cpu").index(algorithm),
+               nbytes, calls])
+        return scatter_buffers(0, nbytes, self.world_size)
 
     def checked_sum(self) -> float:
         return float(sum(range(1, self.world_size + 1)))

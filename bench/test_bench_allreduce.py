@@ -1,4 +1,4 @@
-"""pytest bench/ --benchmark-only: each all-reduce and all-gather algorithm x {4 KiB,
+"""pytest bench/ --benchmark-only: each all-reduce, all-gather and reduce-scatter algorithm x {4 KiB,
 1 MiB, 16 MiB} on a persistent 4-rank gloo group; busbw (nccl-tests definition) in
 extra_info."""
 import pytest
@@ -58,3 +58,26 @@ def test_all_gather(benchmark, bench_group, algorithm, size):
     algbw = out.numel() * out.element_size() / t / 1e9
     benchmark.extra_info.update(world_size=p, bytes=out.numel() * 4, algbw_gbps=algbw,
                                 busbw_gbps=algbw * commlab.algorithms.registry("all_gather").busbw_factor(p))
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("algorithm", commlab.algorithms.registry("reduce_scatter").for_device("cpu"))
+def test_reduce_scatter(benchmark, bench_group, algorithm, size):
+    nbytes, rounds = SIZES[size], ROUNDS[size]  # nbytes: the reduced input
+    warmup = 2
+    calls = 1 if benchmark.disabled else rounds + warmup
+    inp, out = bench_group.prepare_scatter(algorithm, nbytes, calls)
+    benchmark.group = f"reduce_scatter {size}"
+    benchmark.pedantic(commlab.reduce_scatter, args=(out, inp), kwargs={"algorithm": algorithm},
+                       rounds=rounds, iterations=1, warmup_rounds=warmup)
+    # One more call, checked: rank r contributed r + 1 everywhere.
+    out.zero_()
+    commlab.reduce_scatter(out, inp, algorithm=algorithm)
+    assert torch.equal(out, torch.full_like(out, bench_group.checked_sum())), (algorithm, size)
+    if benchmark.disabled:
+        return
+    t = benchmark.stats.stats.median
+    p = bench_group.world_size
+    algbw = inp.numel() * inp.element_size() / t / 1e9
+    benchmark.extra_info.update(world_size=p, bytes=inp.numel() * 4, algbw_gbps=algbw,
+                                busbw_gbps=algbw * commlab.algorithms.registry("reduce_scatter").busbw_factor(p))

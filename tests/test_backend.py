@@ -276,10 +276,9 @@ def test_lightning_ddp_strategy_on_the_commlab_backend(tmp_path):
 
 def fsdp2_parity(rank, p):
     from commlab.algorithms.all_gather import shm as gather_shm
-    from commlab.transports import shm as transport
+    from commlab.algorithms.reduce_scatter import shm as scatter_shm
 
-    # Counted, not assumed: FSDP's all-gathers reach the all_gather registry's shm, its
-    # reduce-scatters the shared-memory transport.
+    # Counted, not assumed: FSDP's all-gathers and reduce-scatters reach their registries' shm.
     counts = {"all_gather": 0, "reduce_scatter": 0}
 
     def counting(kind, real):
@@ -288,14 +287,13 @@ def fsdp2_parity(rank, p):
             return real(*args, **kwargs)
         return call
 
-    real_rs = transport.reduce_scatter
-    gather_shm.ALGORITHM.run = counting("all_gather", gather_shm.ALGORITHM.run)  # an instance attribute
-    transport.reduce_scatter = counting("reduce_scatter", real_rs)
+    gather_shm.ALGORITHM.run = counting("all_gather", gather_shm.ALGORITHM.run)  # instance attributes
+    scatter_shm.ALGORITHM.run = counting("reduce_scatter", scatter_shm.ALGORITHM.run)
     try:
         return _fsdp2_runs(rank, counts)
     finally:
         del gather_shm.ALGORITHM.run
-        transport.reduce_scatter = real_rs
+        del scatter_shm.ALGORITHM.run
 
 
 def _fsdp2_runs(rank, counts):

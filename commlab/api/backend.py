@@ -10,10 +10,13 @@ What runs where:
   family's algorithm (COMMLAB_ALL_GATHER_ALGORITHM, default `auto`: shared memory on one
   host, hier across hosts, the ring with one rank per host), on the same thread and
   sequence;
-- reduce_scatter (from one tensor or a list), broadcast and barrier of dense CPU
-  tensors, when every rank is on one host: commlab's shared memory, on the same thread
-  and sequence (FSDP's two halves of every step); COMMLAB_COLLECTIVES=gloo sends these
-  and all_gather to gloo instead;
+- reduce_scatter (from one tensor or a list) of CPU tensors: commlab.reduce_scatter with
+  the family's algorithm (COMMLAB_REDUCE_SCATTER_ALGORITHM, default `auto`: shared
+  memory on one host, the ring across hosts), on the same thread and sequence (with
+  all_gather, FSDP's two halves of every step);
+- broadcast and barrier of dense CPU tensors, when every rank is on one host: commlab's
+  shared memory, on the same thread and sequence; COMMLAB_COLLECTIVES=gloo sends these,
+  all_gather and reduce_scatter to gloo instead;
 - every other collective: a gloo backend of the same ranks ("front"), so nothing a
   user calls is missing; issued once every earlier call on the thread is done, so
   calls on one group run in the order they were made;
@@ -37,9 +40,10 @@ from torch._C._distributed_c10d import Work as _C10dWork
 from commlab.api import all_gather as gathers
 from commlab.api import all_reduce as api
 from commlab.api import lanes
+from commlab.api import reduce_scatter as scatters
 from commlab.core import groups
 from commlab.core.errors import CollectiveMismatchError, CommlabError
-from commlab.core.reduction import SUPPORTED_DTYPES, Op, finish_average_, parse_op
+from commlab.core.reduction import SUPPORTED_DTYPES, Op, parse_op
 from commlab.transports import shm
 from commlab.transports.setup import gather, host_ids
 
@@ -125,26 +129,29 @@ class CommlabBackend(_C10dBackend):
 
     def reduce_scatter_single(self, output, inp, opts):
         op = _reduce_op(opts.reduceOp)
-        if _internal() or op is None or not (_dense(output) and _dense(inp) and output.dtype == inp.dtype
+        if _internal() or op is None or not (_cpu_strided(output) and _cpu_strided(inp) and output.dtype == inp.dtype
                                              and output.dtype in SUPPORTED_DTYPES
                                              and inp.numel() == output.numel() * self.size()):
             return self._delegate("reduce_scatter_single", output, inp, opts)
-
-        return self._shm_or_gloo(lambda info: _reduce_scatter(_flat(output), _flat(inp), op, info), [output],
-                                 "reduce_scatter_single", output, inp, opts)
+        return self._registry_or_gloo(
+            lambda g: scatters.reduce_scatter(output, inp, op, g, algorithm=_scatter_algorithm()),
+            [output], "reduce_scatter_single", output, inp, opts)
 
     def reduce_scatter(self, outputs, inputs, opts):
         op = _reduce_op(opts.reduceOp)
         p = self.size()
         if _internal() or op is None or len(outputs) != 1 or len(inputs) != 1 or len(inputs[0]) != p \
-                or not _dense(outputs[0]) or outputs[0].dtype not in SUPPORTED_DTYPES \
-                or not all(_dense(i) and i.dtype == outputs[0].dtype and i.numel() == outputs[0].numel()
+                or not _cpu_strided(outputs[0]) or outputs[0].dtype not in SUPPORTED_DTYPES \
+                or not all(_cpu_strided(i) and i.dtype == outputs[0].dtype and i.numel() == outputs[0].numel()
                            for i in inputs[0]):
             return self._delegate("reduce_scatter", outputs, inputs, opts)
         output, parts = outputs[0], inputs[0]
-        return self._shm_or_gloo(lambda info: _reduce_scatter(_flat(output), torch.cat([i.reshape(-1) for i in parts]),
-                                                              op, info),
-                                 outputs, "reduce_scatter", outputs, inputs, opts)
+
+        def run(group):
+            whole = torch.cat([i.reshape(-1) for i in parts])
+            scatters.reduce_scatter(output, whole, op, group, algorithm=_scatter_algorithm())
+
+        return self._registry_or_gloo(run, outputs, "reduce_scatter", outputs, inputs, opts)
 
     def broadcast(self, tensors, opts):
         if _internal() or len(tensors) != 1 or not _dense(tensors[0]):
@@ -326,6 +333,10 @@ def _gather_algorithm() -> str:
     return os.environ.get("COMMLAB_ALL_GATHER_ALGORITHM", "") or "auto"
 
 
+def _scatter_algorithm() -> str:
+    return os.environ.get("COMMLAB_REDUCE_SCATTER_ALGORITHM", "") or "auto"
+
+
 def _dense(t: torch.Tensor) -> bool:
     """What the shared-memory collectives take: contiguous CPU memory, read as bytes."""
     return _served(t) and t.is_contiguous() and not t.is_neg() and not t.is_conj()
@@ -333,12 +344,6 @@ def _dense(t: torch.Tensor) -> bool:
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.view(-1)
-
-
-def _reduce_scatter(out: torch.Tensor, whole: torch.Tensor, op: Op, info) -> None:
-    shm.reduce_scatter(out, whole, int(Op.SUM if op is Op.AVG else op), info, LABEL)
-    if op is Op.AVG:
-        finish_average_(out, info.size)
 
 
 def _reduce_op(op) -> Op | None:

@@ -11,7 +11,7 @@ import torch
 from commlab.core.reduction import combine_into
 
 from ..base import Cost
-from .base import ReduceScatterAlgorithm, slices
+from .base import ReduceScatterAlgorithm
 
 
 class RecursiveHalving(ReduceScatterAlgorithm):
@@ -35,7 +35,6 @@ class RecursiveHalving(ReduceScatterAlgorithm):
         p, r = ctx.size, ctx.rank
         q = 1 << (p.bit_length() - 1)
         rem = p - q
-        b = slices(inp, p)
         n = out.numel()
         # Virtual ranks: a pair (2v, 2v+1), v < rem, is v, played by its odd rank.
         if r < 2 * rem and r % 2 == 0:

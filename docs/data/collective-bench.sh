@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Measurements of a collective family behind docs/measurements.md (#all-gather,
+# #reduce-scatter):  docs/data/collective-bench.sh all_gather|reduce_scatter
+# Output in docs/data/<collective>-bench.txt (all-gather-bench.txt, reduce-scatter-bench.txt).
+# 1. Shared memory against the peers, each under its own launcher's run: commlab's rows
+#    and MPICH's call (MPI_Allgather, MPI_Reduce_scatter_block) under MPICH's mpiexec,
+#    then Open MPI's under Open MPI's; 2 and 4 ranks; back-to-back loops and isolated
+#    calls; builtin is gloo's.
+# 2. The point-to-point algorithms against their cost formulas: 3 ranks (rd runs Bruck,
+#    rh folds) and 4 (powers of two), small to large.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+collective=${1:?all_gather or reduce_scatter}
+p2p=$(python -c "from commlab import algorithms
+print(','.join(n for n in algorithms.registry('$collective').for_device('cpu') if n not in ('auto', 'shm', 'hier')))")
+out=docs/data/${collective//_/-}-bench.txt
+: > "$out"
+keep() { grep -aE '^ |^# (anchor|timing|out of|fastest|cost model|  )' | grep -av "$1" | tee -a "$out"; }
+args=(-m commlab.allreduce_bench --collective "$collective" -b 64K -e 64M -f 4 --quiet --anchors mpi
+      --algorithms builtin,shm)
+libmpi="$(python -c 'import sys; print(sys.prefix)')/lib/libmpi.so.40"
+for p in 2 4; do
+  for mode in "" "--blocking"; do
+    echo "## MPICH, $p ranks, ${mode:-back-to-back}" | tee -a "$out"
+    mpiexec.hydra -n "$p" python "${args[@]}" $mode 2>&1 | keep '^$'
+    echo "## Open MPI, $p ranks, ${mode:-back-to-back}" | tee -a "$out"
+    MPI4PY_LIBMPI="$libmpi" mpiexec --allow-run-as-root --oversubscribe -x MPI4PY_LIBMPI -n "$p" \
+      python "${args[@]}" $mode 2>&1 | keep '^$'
+  done
+done
+for p in 3 4; do
+  echo "## point-to-point, $p ranks, back-to-back" | tee -a "$out"
+  python -m commlab.allreduce_bench --world-size "$p" --collective "$collective" -b 1K -e 16M -f 16 --quiet \
+    --anchors none --algorithms "$p2p" 2>&1 | keep '^$'
+done
