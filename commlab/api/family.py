@@ -1,0 +1,149 @@
+"""What every collective family's API shares (commlab.all_gather, commlab.reduce_scatter,
+...): a call's plan (validated once per algorithm, group, dtype and device type), the
+order of a call — this rank's own arguments refused and the group given up, the
+algorithm's collective first-call decision, the agreement, the run — and its failure
+contract, the lane that runs it inline or async, and the plan cache. Each family's
+module says only what differs: its sizes, its call record and its body."""
+from __future__ import annotations
+
+import torch
+
+from commlab.algorithms.base import Context
+from commlab.api import lanes
+from commlab.core import groups
+from commlab.core.errors import CollectiveMismatchError, UnsupportedError
+from commlab.core.reduction import Op
+from commlab.transports.p2p import P2P, CallRecord
+
+
+class Plan:
+    """One family's call on one (algorithm, group, dtype, device type[, op])."""
+
+    collective = ""
+
+    def __init__(self, alg, info: groups.GroupInfo, names, reduce_op: Op | None = None, op_key=None):
+        self.alg = alg
+        self.info = info
+        self.names = names  # the family's registry names: how the agreement decodes a record
+        self.reduce_op = reduce_op
+        self.op_key = op_key  # the caller's op object the plan is cached under
+        self.ctx = Context(info=info, p2p=P2P(info, alg.name))
+        self.lane = lanes.lane(info.group)
+        self.agree = None  # whether every call is agreed first: decided on the first call
+
+    # -- what a family says -------------------------------------------------------------
+
+    def refusal(self, out: torch.Tensor, inp: torch.Tensor, p: int) -> str | None:
+        """What is wrong with this rank's own arguments, or None: a pair of one dtype on one
+        device, and the family's sizes (`sizes`)."""
+        if out.dtype != inp.dtype:
+            return f"output dtype {out.dtype} differs from input dtype {inp.dtype}"
+        if out.device != inp.device:
+            return f"output on {out.device}, input on {inp.device}"
+        return self.sizes(out, inp, p)
+
+    def sizes(self, out: torch.Tensor, inp: torch.Tensor, p: int) -> str | None:
+        raise NotImplementedError
+
+    def record_numel(self, out: torch.Tensor, inp: torch.Tensor) -> int:
+        """The size every rank's call must share (the agreement's and the error's)."""
+        return inp.numel()
+
+    def empty(self, out: torch.Tensor, inp: torch.Tensor) -> bool:
+        return inp.numel() == 0
+
+    def body(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    # -- the order of a call and its failure contract -------------------------------------
+
+    def execute(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        p = self.info.size
+        bad = self.refusal(out, inp, p)
+        if bad:
+            # This rank's own arguments, which its peers cannot see: it gives the group up,
+            # so they raise at once naming it instead of waiting for it.
+            refused = UnsupportedError(f"commlab[{self.alg.name}]: {self.collective} {bad}")
+            if p > 1:
+                self.ctx.p2p.give_up(refused)
+            raise refused
+        try:
+            if self.agree is None:  # collective: every rank's first call of the plan asks here
+                if p > 1:
+                    self.alg.prepare(inp, self.ctx)
+                self.agree = p > 1 and not self.alg.checks_calls(self.ctx)
+            empty = self.empty(out, inp)
+            # An empty call too: its peers may not be empty (shared memory skips empty calls
+            # without a record, so an empty one is agreed: the records' sizes differ there).
+            if self.agree or (empty and p > 1):
+                self.ctx.p2p.agree(CallRecord(self.collective, self.record_numel(out, inp), inp.dtype,
+                                              self.reduce_op, self.alg.name), self.names)
+            if not empty:
+                self.body(out, inp)
+        except (CollectiveMismatchError, UnsupportedError):
+            raise  # raised alike on every rank, from facts they share
+        except BaseException as e:
+            # A rank that fails mid-call: its peers, who wait on it in the agreement or the
+            # next step, raise now, naming it.
+            if p > 1:
+                self.ctx.p2p.give_up(e)
+            raise
+
+
+def run(plan: Plan, out: torch.Tensor, inp: torch.Tensor, async_op: bool):
+    """The call on its group's lane: inline when nothing is queued and the caller waits,
+    else queued behind the group's earlier calls (a handle when async_op)."""
+    if not async_op and plan.lane.try_inline():
+        try:
+            with lanes.running():
+                plan.execute(out, inp)
+        finally:
+            plan.lane.end_inline()
+        return None
+    return plan.lane.submit(lambda: plan.execute(out, inp), out, async_op)
+
+
+def check_tensors(collective: str, *tensors) -> None:
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedError(f"commlab: {collective} expects torch.Tensors, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise UnsupportedError(f"commlab: only dense (strided) tensors are supported, got {t.layout}")
+
+
+def check_device(alg, collective: str, t: torch.Tensor) -> None:
+    if t.device.type not in alg.devices:
+        raise UnsupportedError(f"commlab[{alg.name}]: tensors on {t.device.type} are not supported "
+                               f"(this {collective} algorithm serves {', '.join(alg.devices)})")
+
+
+class Plans:
+    """The plan cache of one family: keyed by cheap values, bounded (ops built afresh for
+    every call would each add one)."""
+
+    MAX = 256
+
+    def __init__(self):
+        self._plans: dict[tuple, Plan] = {}
+
+    def get(self, key, op=None) -> Plan | None:
+        plan = self._plans.get(key) if key is not None else None
+        if plan is not None and plan.op_key is op and plan.info.alive():
+            return plan
+        return None
+
+    def put(self, key, plan: Plan, t: torch.Tensor) -> Plan:
+        if key is not None and (t.is_cpu or t.is_cuda):  # other devices share a key: never cached
+            if len(self._plans) >= self.MAX:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+
+def key_of(*parts):
+    """A cache key, or None where a part is unhashable (validation then explains)."""
+    try:
+        hash(parts)
+    except TypeError:
+        return None
+    return parts
