@@ -4,6 +4,7 @@
     commlab.all_reduce(t, algorithm="ring")      # same contract as dist.all_reduce
     commlab.all_gather(out, t, algorithm="rd")   # ... as dist.all_gather_into_tensor
     commlab.reduce_scatter(out, t, algorithm="rh")  # ... as dist.reduce_scatter_tensor
+    commlab.broadcast(t, src=0, algorithm="binomial")  # ... as dist.broadcast
     commlab.algorithm_names()                    # what the registry holds
     dist.init_process_group("commlab")           # unchanged training code on commlab's algorithms
 """
@@ -12,6 +13,7 @@ import torch  # noqa: F401  (loads libtorch before commlab._C)
 from commlab.api import backend as _backend
 from commlab.api.all_gather import all_gather
 from commlab.api.all_reduce import algorithm_names, all_reduce, get_algorithm
+from commlab.api.broadcast import broadcast
 from commlab.api.reduce_scatter import reduce_scatter
 from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError, UnsupportedError
 
@@ -23,6 +25,7 @@ __all__ = [
     "all_reduce",
     "all_gather",
     "reduce_scatter",
+    "broadcast",
     "algorithm_names",
     "get_algorithm",
     "CommlabError",

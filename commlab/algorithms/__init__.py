@@ -1,6 +1,6 @@
 """The algorithm registries, one per collective. The all-reduce family is this
 package's own modules; every other collective is a sub-package with its own registry
-(all_gather/, reduce_scatter/, ...). Every module that defines ALGORITHM is registered at import, and
+(all_gather/, reduce_scatter/, broadcast/, ...). Every module that defines ALGORITHM is registered at import, and
 the API, hooks, CLI, benches and tests all iterate the registries."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ for_device = REGISTRY.for_device
 
 REGISTRY.discover(__name__, __path__)
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # every family; the others are sub-packages of this one
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")  # every family; the others are sub-packages of this one
 
 
 def registry(collective: str) -> Registry:

@@ -52,21 +52,25 @@ class Plan:
     def empty(self, out: torch.Tensor, inp: torch.Tensor) -> bool:
         return inp.numel() == 0
 
-    def body(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def body(self, out: torch.Tensor, inp: torch.Tensor, root: int) -> None:
+        """The call itself (root: a group rank, or -1 where the collective has none)."""
         raise NotImplementedError
 
     # -- the order of a call and its failure contract -------------------------------------
 
-    def execute(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def refuse(self, bad: str):
+        """This rank's own arguments, which its peers cannot see: it gives the group up, so
+        they raise at once naming it instead of waiting for it."""
+        refused = UnsupportedError(f"commlab[{self.alg.name}]: {self.collective} {bad}")
+        if self.info.size > 1:
+            self.ctx.p2p.give_up(refused)
+        raise refused
+
+    def execute(self, out: torch.Tensor, inp: torch.Tensor, root: int = -1) -> None:
         p = self.info.size
         bad = self.refusal(out, inp, p)
         if bad:
-            # This rank's own arguments, which its peers cannot see: it gives the group up,
-            # so they raise at once naming it instead of waiting for it.
-            refused = UnsupportedError(f"commlab[{self.alg.name}]: {self.collective} {bad}")
-            if p > 1:
-                self.ctx.p2p.give_up(refused)
-            raise refused
+            self.refuse(bad)
         try:
             if self.agree is None:  # collective: every rank's first call of the plan asks here
                 if p > 1:
@@ -77,9 +81,9 @@ class Plan:
             # without a record, so an empty one is agreed: the records' sizes differ there).
             if self.agree or (empty and p > 1):
                 self.ctx.p2p.agree(CallRecord(self.collective, self.record_numel(out, inp), inp.dtype,
-                                              self.reduce_op, self.alg.name), self.names)
+                                              self.reduce_op, self.alg.name, root), self.names)
             if not empty:
-                self.body(out, inp)
+                self.body(out, inp, root)
         except (CollectiveMismatchError, UnsupportedError):
             raise  # raised alike on every rank, from facts they share
         except BaseException as e:
@@ -90,17 +94,17 @@ class Plan:
             raise
 
 
-def run(plan: Plan, out: torch.Tensor, inp: torch.Tensor, async_op: bool):
+def run(plan: Plan, out: torch.Tensor, inp: torch.Tensor, async_op: bool, root: int = -1):
     """The call on its group's lane: inline when nothing is queued and the caller waits,
     else queued behind the group's earlier calls (a handle when async_op)."""
     if not async_op and plan.lane.try_inline():
         try:
             with lanes.running():
-                plan.execute(out, inp)
+                plan.execute(out, inp, root)
         finally:
             plan.lane.end_inline()
         return None
-    return plan.lane.submit(lambda: plan.execute(out, inp), out, async_op)
+    return plan.lane.submit(lambda: plan.execute(out, inp, root), out, async_op)
 
 
 def check_tensors(collective: str, *tensors) -> None:

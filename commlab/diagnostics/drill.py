@@ -94,8 +94,23 @@ def _reduce_scatter_call(algorithm: str, p: int):
     return call
 
 
+def _broadcast_call(algorithm: str, p: int):
+    import torch.distributed as dist
+
+    import commlab
+
+    x = torch.empty(1 << 16)
+
+    def call():
+        x.fill_(float(dist.get_rank() + 1))
+        commlab.broadcast(x, src=0, algorithm=algorithm)
+        return bool((x == 1.0).all())
+    return call
+
+
 # One call of each collective on 256 KiB a rank (several steps), returning its check.
-_CALLS = {"all_reduce": _all_reduce_call, "all_gather": _all_gather_call, "reduce_scatter": _reduce_scatter_call}
+_CALLS = {"all_reduce": _all_reduce_call, "all_gather": _all_gather_call, "reduce_scatter": _reduce_scatter_call,
+          "broadcast": _broadcast_call}
 
 
 def _call_of(collective: str, algorithm: str, p: int):

@@ -1,6 +1,6 @@
 """What the benchmark needs to know about each collective, in one place: how a size
 becomes a per-rank buffer (nccl-tests' convention: the size is the all-reduced buffer,
-the gathered output, the reduce-scattered input), how one call runs through commlab or
+the gathered output, the reduce-scattered input, the broadcast message), how one call runs through commlab or
 through MPI, and what every rank must hold afterwards (#wrong). The bench, its rows and
 the checks iterate SPECS; nothing else branches on a collective's name."""
 from __future__ import annotations
@@ -86,6 +86,10 @@ def _mpi_reduce_scatter(comm, MPI, mpi_op, out, inp):
     comm.Reduce_scatter_block(inp.numpy(), out.numpy(), op=mpi_op)
 
 
+def _mpi_broadcast(comm, MPI, mpi_op, out, inp):
+    comm.Bcast(inp.numpy(), root=0)
+
+
 SPECS = {
     "all_reduce": Spec(
         "all_reduce", True, True, True, "",
@@ -112,6 +116,14 @@ SPECS = {
         run=lambda alg, out, inp, op: commlab.reduce_scatter(out, inp, op, algorithm=alg),
         want=lambda rank, p, count, dtype, op, device: reduced(p, count, dtype, op, device).view(p, -1)[rank],
         mpi=_mpi_reduce_scatter, mpi_name="MPI_Reduce_scatter_block"),
+    "broadcast": Spec(
+        "broadcast", False, False, False, "from rank 0",
+        count=lambda nbytes, item, p: max(nbytes // item, 1),
+        size=lambda count, item, p: count * item,
+        output=None,
+        run=lambda alg, out, inp, op: commlab.broadcast(inp, src=0, algorithm=alg),
+        want=lambda rank, p, count, dtype, op, device: check_input(0, count, dtype, Op.SUM, device),
+        mpi=_mpi_broadcast, mpi_name="MPI_Bcast"),
 }
 
 

@@ -1,0 +1,51 @@
+"""The one shape every broadcast algorithm has: `run(buf, root, ctx)` leaves the root's
+`buf` (flat, contiguous, any dtype) in every rank's `buf`; `root` is a group rank.
+Validation, strided layouts, agreement, async and errors live once, in
+commlab/api/broadcast.py."""
+from __future__ import annotations
+
+import torch
+
+from ..base import Context, Member
+
+
+class BroadcastAlgorithm(Member):
+    collective = "broadcast"
+
+    @staticmethod
+    def busbw_factor(p: int) -> float:
+        """nccl-tests' broadcast factor: 1 (the size itself)."""
+        return 1.0
+
+    def unsupported(self, buf: torch.Tensor, info) -> str | None:
+        """Why this algorithm cannot serve the call, from facts every rank shares."""
+        return None
+
+    def prepare(self, buf: torch.Tensor, ctx: Context) -> None:
+        """Collective, on every rank's first call of a plan, before checks_calls: what an
+        algorithm decides with its peers (auto's pick)."""
+
+    def checks_calls(self, ctx: Context) -> bool:
+        """Whether the transport itself compares the ranks' call records (shared
+        memory); otherwise the API agrees on every call first (P2P.agree)."""
+        return False
+
+    def run(self, buf: torch.Tensor, root: int, ctx: Context) -> None:
+        """buf (n > 0 elements, contiguous) = the root's buf on every rank; ctx.size > 1."""
+        raise NotImplementedError
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat contiguous tensor's bytes: moving bytes needs no dtype (gloo refuses complex)."""
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def spans(n: int, parts: int) -> list[tuple[int, int]]:
+    """n items cut into `parts` nearly equal spans (the first n % parts one longer)."""
+    q, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = q + (i < extra)
+        out.append((start, start + size))
+        start += size
+    return out

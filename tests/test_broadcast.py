@@ -1,0 +1,179 @@
+"""The broadcast family (commlab.broadcast, dist.broadcast's contract): every registered
+algorithm on 1-8 ranks, every dtype, every root, sizes not divisible by anything, empty,
+strided and 0-dim tensors, async, sub-groups (src a global rank, or group_src); every
+rank ends with the root's bits; a mismatch (size, dtype, root, algorithm, collective) is
+the same CollectiveMismatchError on every rank, a rank that refuses its own arguments
+makes its peers raise naming it, a failed rank makes every peer raise within two seconds."""
+import time
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commlab
+from commlab.algorithms import broadcast as family
+
+ALGORITHMS = family.for_device("cpu")
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8,
+          torch.int8, torch.bool, torch.complex64]
+
+
+def message(rank: int, n: int, dtype, root: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(f"{rank} {n} {dtype} {root}".encode()))
+    x = torch.randint(-100, 100, (n,), generator=g, dtype=torch.int64)
+    if dtype == torch.bool:
+        return x > 0
+    if dtype == torch.uint8:
+        return (x + 100).to(dtype)
+    if dtype.is_complex:
+        return torch.complex(x.float(), -x.float()).to(dtype)
+    return x.to(dtype)
+
+
+def sizes_for(p: int) -> list[int]:
+    small = [0, 1, max(p - 1, 1), 7 * p + 3]
+    return small if p >= 5 else small + [1000, 70_001]  # 70,001 B+: several chain segments, shm pieces
+
+
+def sweep(rank, p, algorithm):
+    failures = []
+    for root in sorted({0, p - 1, p // 2}):
+        for dtype in DTYPES:
+            for n in sizes_for(p):
+                t = message(rank, n, dtype, root)
+                commlab.broadcast(t, src=root, algorithm=algorithm)
+                if not torch.equal(t, message(root, n, dtype, root)):
+                    failures.append(f"rank {rank} root {root} {dtype} n={n}: wrong")
+    return failures
+
+
+SWEEP = [(w, a) for a in ALGORITHMS for w in (1, 2, 3, 4, 5, 8) if not (a == "builtin" and w > 4)]
+SWEEP = [pytest.param(w, a, marks=pytest.mark.slow) if w > 4 or (w == 3 and a not in ("scatter_allgather", "shm"))
+         else (w, a) for w, a in SWEEP]
+
+
+@pytest.mark.parametrize("world_size,algorithm", SWEEP)
+def test_sweep(ranks, world_size, algorithm):
+    failures = [f for fails in ranks.run(world_size, sweep, algorithm, timeout=300) for f in fails]
+    assert not failures, "\n".join(failures[:20])
+
+
+def layouts(rank, p, algorithm):
+    out = []
+    want = torch.arange(12, dtype=torch.float32).view(3, 4)
+    # A strided tensor: a transposed view.
+    base = want.clone() if rank == 1 else torch.zeros(3, 4)
+    view = base.t()
+    commlab.broadcast(view, src=1, algorithm=algorithm)
+    if not torch.equal(base, want):
+        out.append(f"strided: {base}")
+    # A 0-dim tensor, and group_src.
+    s = torch.tensor(float(rank))
+    commlab.broadcast(s, group_src=2, algorithm=algorithm)
+    if s.item() != 2.0:
+        out.append(f"0-dim: {s}")
+    # async: two calls in flight complete in order, with futures.
+    a, b = torch.full((5,), float(rank)), torch.full((2,), float(rank))
+    w1 = commlab.broadcast(a, src=0, algorithm=algorithm, async_op=True)
+    w2 = commlab.broadcast(b, src=2, algorithm=algorithm, async_op=True)
+    w2.wait()
+    w1.get_future().wait()
+    if not (torch.equal(a, torch.zeros(5)) and torch.equal(b, torch.full((2,), 2.0))):
+        out.append("async results wrong")
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_layouts_and_async(ranks, algorithm):
+    for fails in ranks.run(3, layouts, algorithm):
+        assert not fails, fails
+
+
+def subgroups(rank, p, algorithm):
+    evens = dist.new_group([0, 2])
+    odds = dist.new_group([1, 3])
+    g = evens if rank % 2 == 0 else odds
+    root = 2 if rank % 2 == 0 else 3  # a global rank, the group's second
+    t = torch.full((5,), rank, dtype=torch.int64)
+    commlab.broadcast(t, src=root, group=g, algorithm=algorithm)
+    dist.destroy_process_group(evens)
+    dist.destroy_process_group(odds)
+    return torch.equal(t, torch.full((5,), root))
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_subgroups(ranks, algorithm):
+    assert all(ranks.run(4, subgroups, algorithm))
+
+
+def mismatched(rank, p, algorithm, what):
+    n = 8 if not (what == "size" and rank == 1) else 4
+    dtype = torch.int32 if (what == "dtype" and rank == 1) else torch.float32
+    root = 1 if (what == "root" and rank == 1) else 0
+    alg = algorithm if not (what == "algorithm" and rank == 1) else ("binomial" if algorithm != "binomial" else "chain")
+    g = dist.new_group(list(range(p)))  # a failed group stays failed: not the pool's default one
+    try:
+        if what == "collective" and rank == 1:
+            commlab.all_gather(torch.empty(p * n), torch.ones(n), group=g, algorithm="ring" if alg != "shm" else alg)
+        else:
+            commlab.broadcast(torch.ones(n, dtype=dtype), src=root, group=g, algorithm=alg)
+    except commlab.CollectiveMismatchError as e:
+        return "mismatch", str(e)
+    except commlab.CommlabError as e:
+        return type(e).__name__, str(e)
+    finally:
+        dist.destroy_process_group(g)
+    return "returned", ""
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("what", ["size", "dtype", "root", "algorithm", "collective"])
+def test_a_mismatch_is_the_same_error_on_every_rank(ranks, algorithm, what):
+    got = ranks.run(3, mismatched, algorithm, what)
+    assert all(kind == "mismatch" for kind, _ in got), got
+    if algorithm not in ("shm", "auto"):  # on one host these are shm, whose texts say "this rank"
+        assert len({text for _, text in got}) == 1, got
+
+
+def wrong_root(rank, p, algorithm):
+    g = dist.new_group(list(range(p)))
+    t0 = time.monotonic()
+    try:
+        commlab.broadcast(torch.ones(8), src=7 if rank == 1 else 0, group=g, algorithm=algorithm)
+    except commlab.CommlabError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    finally:
+        dist.destroy_process_group(g)
+    return "returned", "", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_rank_refusing_its_arguments_makes_every_peer_raise(ranks, algorithm):
+    got = ranks.run(3, wrong_root, algorithm)
+    assert got[1][0] == "UnsupportedError" and "src 7 is not a rank of this group" in got[1][1], got
+    for r in (0, 2):
+        kind, text, took = got[r]
+        assert kind != "returned" and "rank 1" in text, got
+        assert took < 5, got  # not the group's timeout
+
+
+def _faults(*cases):
+    return [c if i < 2 else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(cases)]
+
+
+@pytest.mark.parametrize("algorithm,fault", _faults(
+    ("scatter_allgather", "sigkill"), ("shm", "sigint"), ("binomial", "sigint"), ("chain", "exception"),
+    ("builtin", "sigkill"), ("chain", "error-in-call"), ("shm", "sigkill")))
+def test_a_failed_rank_makes_every_peer_raise_within_two_seconds(algorithm, fault):
+    from commlab.diagnostics.drill import drill
+
+    got = drill(algorithm, fault, world_size=3, collective="broadcast")
+    for r, o in got["survivors"].items():
+        assert o["type"] not in (None, "WRONG DATA", "NO ANSWER") and o["commlab"], (r, o)
+        assert "rank 1" in o["msg"] and o["after"] < 2.0, (r, o)
+
+
+def test_unsupported_calls_are_clear():
+    with pytest.raises(commlab.UnsupportedError, match="unknown broadcast algorithm 'nope'"):
+        commlab.broadcast(torch.empty(1), src=0, algorithm="nope")
