@@ -13,7 +13,7 @@ import torch.distributed as dist
 from commlab.measure import launch
 
 STOP = -1
-ALLREDUCE, DDP_STEP, ALLGATHER, REDUCESCATTER = 0, 1, 2, 3
+ALLREDUCE, DDP_STEP, ALLGATHER, REDUCESCATTER, BROADCAST = 0, 1, 2, 3, 4
 # How a DDP step communicates: DDP's own allreduce, commlab's overlapped hook, the same
 # reduction blocking inside the hook, or no communication at all.
 HOOKS = ["ddp", "async", "blocking", "noop"]
@@ -34,6 +34,7 @@ def _helper(rank: int, world_size: int) -> None:
     names = commlab.algorithms.for_device("cpu")
     gathers = commlab.algorithms.registry("all_gather").for_device("cpu")
     scatters = commlab.algorithms.registry("reduce_scatter").for_device("cpu")
+    casts = commlab.algorithms.registry("broadcast").for_device("cpu")
     while True:
         kind, a, b, calls = _plan()
         if kind == STOP:
@@ -47,6 +48,11 @@ def _helper(rank: int, world_size: int) -> None:
             inp, out = scatter_buffers(rank, b, world_size)
             for _ in range(calls + 1):  # the last one: the test's checked call
                 commlab.reduce_scatter(out, inp, algorithm=scatters[a])
+        elif kind == BROADCAST:
+            buf = torch.full((max(b // 4, 1),), float(rank + 1))
+            for _ in range(calls + 1):  # the last one: the test's checked call
+                commlab.broadcast(buf, src=0, algorithm=casts[a])
+            wrong_elements(buf)
         elif kind == ALLREDUCE:
             buf = torch.zeros(max(b // 4, 1), dtype=torch.float32)
             for _ in range(calls):
@@ -107,6 +113,13 @@ def scatter_buffers(rank: int, nbytes: int, world_size: int) -> tuple[torch.Tens
     return torch.full((world_size * n,), float(rank + 1)), torch.zeros(n)
 
 
+def wrong_elements(buf: torch.Tensor) -> int:
+    """Elements differing from rank 0's message (1.0), summed over every rank."""
+    wrong = torch.tensor([int((buf != 1.0).sum())])
+    dist.all_reduce(wrong)
+    return int(wrong.item())
+
+
 def checked_input(rank: int, nbytes: int) -> torch.Tensor:
     return torch.full((max(nbytes // 4, 1),), float(rank + 1), dtype=torch.float32)
 
@@ -151,6 +164,13 @@ class BenchGroup:
         _plan([REDUCESCATTER, commlab.algorithms.registry("reduce_scatter").for_device("cpu").index(algorithm),
                nbytes, calls])
         return scatter_buffers(0, nbytes, self.world_size)
+
+    def prepare_broadcast(self, algorithm: str, nbytes: int, calls: int) -> torch.Tensor:
+        """Tell the helpers a broadcast from rank 0 comes next; returns rank 0's message."""
+        import commlab
+
+        _plan([BROADCAST, commlab.algorithms.registry("broadcast").for_device("cpu").index(algorithm), nbytes, calls])
+        return torch.full((max(nbytes // 4, 1),), 1.0)
 
     def checked_sum(self) -> float:
         return float(sum(range(1, self.world_size + 1)))

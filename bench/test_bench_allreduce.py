@@ -1,8 +1,9 @@
-"""pytest bench/ --benchmark-only: each all-reduce, all-gather and reduce-scatter algorithm x {4 KiB,
+"""pytest bench/ --benchmark-only: each all-reduce, all-gather, reduce-scatter and broadcast algorithm x {4 KiB,
 1 MiB, 16 MiB} on a persistent 4-rank gloo group; busbw (nccl-tests definition) in
 extra_info."""
 import pytest
 import torch
+from group import wrong_elements
 
 import commlab
 from commlab.algorithms import Algorithm, for_device
@@ -81,3 +82,24 @@ def test_reduce_scatter(benchmark, bench_group, algorithm, size):
     algbw = inp.numel() * inp.element_size() / t / 1e9
     benchmark.extra_info.update(world_size=p, bytes=inp.numel() * 4, algbw_gbps=algbw,
                                 busbw_gbps=algbw * commlab.algorithms.registry("reduce_scatter").busbw_factor(p))
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("algorithm", commlab.algorithms.registry("broadcast").for_device("cpu"))
+def test_broadcast(benchmark, bench_group, algorithm, size):
+    nbytes, rounds = SIZES[size], ROUNDS[size]  # nbytes: the message
+    warmup = 2
+    calls = 1 if benchmark.disabled else rounds + warmup
+    buf = bench_group.prepare_broadcast(algorithm, nbytes, calls)
+    benchmark.group = f"broadcast {size}"
+    benchmark.pedantic(commlab.broadcast, args=(buf,), kwargs={"src": 0, "algorithm": algorithm},
+                       rounds=rounds, iterations=1, warmup_rounds=warmup)
+    # One more call, checked on every rank: rank 0 sends 1.0, the helpers held r + 1.
+    commlab.broadcast(buf, src=0, algorithm=algorithm)
+    assert wrong_elements(buf) == 0, (algorithm, size)
+    if benchmark.disabled:
+        return
+    t = benchmark.stats.stats.median
+    algbw = buf.numel() * buf.element_size() / t / 1e9
+    benchmark.extra_info.update(world_size=bench_group.world_size, bytes=buf.numel() * 4, algbw_gbps=algbw,
+                                busbw_gbps=algbw * commlab.algorithms.registry("broadcast").busbw_factor(1))

@@ -14,9 +14,12 @@ What runs where:
   the family's algorithm (COMMLAB_REDUCE_SCATTER_ALGORITHM, default `auto`: shared
   memory on one host, the ring across hosts), on the same thread and sequence (with
   all_gather, FSDP's two halves of every step);
-- broadcast and barrier of dense CPU tensors, when every rank is on one host: commlab's
-  shared memory, on the same thread and sequence; COMMLAB_COLLECTIVES=gloo sends these,
-  all_gather and reduce_scatter to gloo instead;
+- broadcast of a CPU tensor: commlab.broadcast with the family's algorithm
+  (COMMLAB_BROADCAST_ALGORITHM, default `auto`: shared memory on one host, the binomial
+  tree or scatter + all-gather across hosts), on the same thread and sequence;
+- barrier, when every rank is on one host: commlab's shared memory, on the same thread
+  and sequence; COMMLAB_COLLECTIVES=gloo sends it, all_gather, reduce_scatter and
+  broadcast to gloo instead;
 - every other collective: a gloo backend of the same ranks ("front"), so nothing a
   user calls is missing; issued once every earlier call on the thread is done, so
   calls on one group run in the order they were made;
@@ -39,6 +42,7 @@ from torch._C._distributed_c10d import Work as _C10dWork
 
 from commlab.api import all_gather as gathers
 from commlab.api import all_reduce as api
+from commlab.api import broadcast as casts
 from commlab.api import lanes
 from commlab.api import reduce_scatter as scatters
 from commlab.core import groups
@@ -154,11 +158,12 @@ class CommlabBackend(_C10dBackend):
         return self._registry_or_gloo(run, outputs, "reduce_scatter", outputs, inputs, opts)
 
     def broadcast(self, tensors, opts):
-        if _internal() or len(tensors) != 1 or not _dense(tensors[0]):
+        if _internal() or len(tensors) != 1 or not _cpu_strided(tensors[0]):
             return self._delegate("broadcast", tensors, opts)
-        t, root = tensors[0], opts.rootRank
-        return self._shm_or_gloo(lambda info: shm.broadcast(_flat(t), root, info, LABEL), tensors,
-                                 "broadcast", tensors, opts)
+        t, root = tensors[0], opts.rootRank  # a rank of this group
+        return self._registry_or_gloo(
+            lambda g: casts.broadcast(t, group=g, group_src=root, algorithm=_broadcast_algorithm()),
+            tensors, "broadcast", tensors, opts)
 
     def barrier(self, opts=None):
         args = () if opts is None else (opts,)
@@ -337,13 +342,8 @@ def _scatter_algorithm() -> str:
     return os.environ.get("COMMLAB_REDUCE_SCATTER_ALGORITHM", "") or "auto"
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """What the shared-memory collectives take: contiguous CPU memory, read as bytes."""
-    return _served(t) and t.is_contiguous() and not t.is_neg() and not t.is_conj()
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dim() == 1 else t.view(-1)
+def _broadcast_algorithm() -> str:
+    return os.environ.get("COMMLAB_BROADCAST_ALGORITHM", "") or "auto"
 
 
 def _reduce_op(op) -> Op | None:
