@@ -10,6 +10,7 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
+from cases import HOST_LAYOUTS
 
 import commlab
 from commlab.algorithms import broadcast as family
@@ -177,3 +178,34 @@ def test_a_failed_rank_makes_every_peer_raise_within_two_seconds(algorithm, faul
 def test_unsupported_calls_are_clear():
     with pytest.raises(commlab.UnsupportedError, match="unknown broadcast algorithm 'nope'"):
         commlab.broadcast(torch.empty(1), src=0, algorithm="nope")
+
+
+def across_hosts(rank, p, hosts, algorithm):
+    import os
+
+    os.environ["COMMLAB_HOST_ID"] = f"h{hosts[rank]}"
+    try:
+        group = dist.new_group()  # a fresh group: host ids are gathered once per group
+        bad = []
+        for n in (1, 5, 70_001):  # 70,001 int8 / float64: below and above auto's 512 KiB switch
+            for dtype in (torch.float64, torch.int8):
+                t = message(rank, n, dtype, 1)
+                commlab.broadcast(t, src=1, group=group, algorithm=algorithm)
+                if not torch.equal(t, message(1, n, dtype, 1)):
+                    bad.append(f"{dtype} n={n}")
+        plan = commlab.api.broadcast._plans.get((algorithm, id(group), torch.int8, True, False))
+        picked = plan.ctx.transport.name if algorithm == "auto" else algorithm
+        dist.destroy_process_group(group)
+        return bad, picked
+    finally:
+        del os.environ["COMMLAB_HOST_ID"]
+
+
+@pytest.mark.parametrize("name", list(HOST_LAYOUTS))
+@pytest.mark.parametrize("algorithm", ["auto", "scatter_allgather"])
+def test_across_emulated_hosts(ranks, name, algorithm):
+    p, hosts = HOST_LAYOUTS[name]
+    got = ranks.run(p, across_hosts, hosts, algorithm)
+    assert all(bad == [] for bad, _ in got), got
+    if algorithm == "auto":  # shm on one host; across hosts auto itself, choosing by size
+        assert {picked for _, picked in got} == {"shm" if name == "1 host" else "auto"}, got

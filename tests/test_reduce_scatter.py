@@ -11,6 +11,7 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
+from cases import HOST_LAYOUTS
 
 import commlab
 from commlab.algorithms import reduce_scatter as family
@@ -236,3 +237,35 @@ def test_unsupported_calls_are_clear():
         commlab.reduce_scatter(torch.empty(1), torch.ones(1), algorithm="nope")
     with pytest.raises(commlab.UnsupportedError, match="dtype torch.bool is not supported"):
         commlab.reduce_scatter(torch.empty(1, dtype=torch.bool), torch.ones(1, dtype=torch.bool))
+
+
+def across_hosts(rank, p, hosts, algorithm):
+    import os
+
+    os.environ["COMMLAB_HOST_ID"] = f"h{hosts[rank]}"
+    try:
+        group = dist.new_group()  # a fresh group: host ids are gathered once per group
+        bad = []
+        for n in (1, 5, 4099):  # 4099 float64 a block: several shm pieces of the tests' 16 KiB segments
+            for dtype in (torch.float64, torch.int32):
+                out = torch.empty(n, dtype=dtype)
+                commlab.reduce_scatter(out, data(rank, p * n, dtype, "sum"), group=group, algorithm=algorithm)
+                if not torch.equal(out, expected(p, n, dtype, "sum", rank)):
+                    bad.append(f"{dtype} n={n}")
+        plan = commlab.api.reduce_scatter._plans.get((algorithm, id(dist.ReduceOp.SUM), id(group), torch.int32,
+                                                      True, False), dist.ReduceOp.SUM)
+        picked = plan.ctx.transport.name if algorithm == "auto" else algorithm
+        dist.destroy_process_group(group)
+        return bad, picked
+    finally:
+        del os.environ["COMMLAB_HOST_ID"]
+
+
+@pytest.mark.parametrize("name", list(HOST_LAYOUTS))
+@pytest.mark.parametrize("algorithm", ["auto", "rh"])
+def test_across_emulated_hosts(ranks, name, algorithm):
+    p, hosts = HOST_LAYOUTS[name]
+    got = ranks.run(p, across_hosts, hosts, algorithm)
+    assert all(bad == [] for bad, _ in got), got
+    if algorithm == "auto":  # shm on one host, the ring across hosts
+        assert {picked for _, picked in got} == {"shm" if name == "1 host" else "ring"}, got

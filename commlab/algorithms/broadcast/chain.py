@@ -1,7 +1,7 @@
 """Pipelined chain (MPICH's and NCCL's ring broadcast for long messages): the ranks form a
 line from the root, the message is cut into segments, and each rank forwards segment i
-to the next rank while it receives segment i+1; the last rank has it all after p-2+k
-segment times, every link carrying the message once."""
+to the next rank as soon as it is in, while later ones arrive; the last rank has it all
+after p-2+k segment times, every link carrying the message once."""
 import os
 
 from ..base import Cost
@@ -31,15 +31,17 @@ class Chain(BroadcastAlgorithm):
         v = (r - root) % p
         prev, nxt = (r - 1) % p, (r + 1) % p
         last = v == p - 1
-        if v == 0:
-            for s in segs:
-                ctx.p2p.run([(s, nxt)], [])
+        if v == 0:  # every segment posted at once: the next rank paces them
+            ctx.p2p.run([(s, nxt) for s in segs], [])
             return
-        ctx.p2p.run([], [(segs[0], prev)])
-        for i in range(len(segs)):
-            sends = [] if last else [(segs[i], nxt)]
-            recvs = [(segs[i + 1], prev)] if i + 1 < len(segs) else []
-            ctx.p2p.run(sends, recvs)
-
+        # Every receive posted at once; each segment is passed on as soon as it is in.
+        incoming = ctx.p2p.post([], [(s, prev) for s in segs])
+        outgoing = []
+        for i, s in enumerate(segs):
+            incoming.wait_recv(i)
+            if not last:
+                outgoing.append(ctx.p2p.post([(s, nxt)], []))
+        for step in outgoing:
+            step.wait_all()
 
 ALGORITHM = Chain()
