@@ -94,3 +94,33 @@ HOST_LAYOUTS = {
     "1x3": (3, [0, 1, 2]),
     "1 host": (3, [0, 0, 0]),
 }
+
+
+# -- what every family's failure tests share ----------------------------------------------
+
+def first_two_quick(*cases):
+    """Fault cases: the first two in the quick tier, the rest marked slow."""
+    import pytest
+
+    return [c if i < 2 else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(cases)]
+
+
+def assert_drill_named_rank_1(algorithm: str, fault: str, collective: str) -> None:
+    """Rank 1 of 3 fails (killed, interrupted, raising) inside the collective: every
+    survivor raises a commlab error naming it within two seconds."""
+    from commlab.diagnostics.drill import drill
+
+    got = drill(algorithm, fault, world_size=3, collective=collective)
+    for r, o in got["survivors"].items():
+        assert o["type"] not in (None, "WRONG DATA", "NO ANSWER") and o["commlab"], (r, o)
+        assert "rank 1" in o["msg"] and o["after"] < 2.0, (r, o)
+
+
+def assert_refusal_named(got: list, says: str) -> None:
+    """Rank 1 refused its own arguments: it raised UnsupportedError saying `says`, and
+    its peers raised naming it, well before the group's timeout."""
+    assert got[1][0] == "UnsupportedError" and says in got[1][1], got
+    for r in (0, 2):
+        kind, text, took = got[r]
+        assert kind != "returned" and "rank 1" in text, got
+        assert took < 5, got
