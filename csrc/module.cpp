@@ -100,6 +100,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("op"), "out (n) = reduction of every rank's slice `rank` of input (world x n)")
       .def("broadcast", &commlab::ShmComm::broadcast, pybind11::arg("tensor"), pybind11::arg("root"),
            "in place, from group rank `root`")
+      .def("alltoall", &commlab::ShmComm::alltoall, pybind11::arg("out"), pybind11::arg("input"),
+           pybind11::arg("send"), pybind11::arg("recv"),
+           "out (recv[j] elements from each rank j) = the blocks every rank sends this one (send[q] to rank q)")
       .def("barrier", &commlab::ShmComm::barrier)
       .def("abort", &commlab::ShmComm::abort, pybind11::arg("why"),
            "give up on this communicator: peers waiting on this rank fail at once with `why`")

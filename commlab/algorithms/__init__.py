@@ -19,7 +19,7 @@ for_device = REGISTRY.for_device
 
 REGISTRY.discover(__name__, __path__)
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")  # every family; the others are sub-packages of this one
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")  # every family; the others are sub-packages of this one
 
 
 def registry(collective: str) -> Registry:

@@ -31,7 +31,7 @@ class _Plan(family.Plan):
                     f"{p * inp.numel()}")
         return None
 
-    def body(self, out, inp, root):
+    def body(self, out, inp, root, extra):
         flat_in = inp.reshape(-1) if inp.is_contiguous() else inp.contiguous().view(-1)
         if self.info.size == 1:
             out.view(-1).copy_(flat_in) if out.is_contiguous() else out.copy_(flat_in.view(out.shape))

@@ -34,7 +34,7 @@ class _Plan(family.Plan):
     def sizes(self, out, inp, p):
         return None  # one tensor: nothing of its own can be wrong once it is a strided tensor
 
-    def body(self, out, inp, root):
+    def body(self, out, inp, root, extra):
         if self.info.size == 1:
             return
         if out.is_contiguous():

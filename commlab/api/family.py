@@ -52,8 +52,13 @@ class Plan:
     def empty(self, out: torch.Tensor, inp: torch.Tensor) -> bool:
         return inp.numel() == 0
 
-    def body(self, out: torch.Tensor, inp: torch.Tensor, root: int) -> None:
-        """The call itself (root: a group rank, or -1 where the collective has none)."""
+    def record(self, out: torch.Tensor, inp: torch.Tensor, root: int, extra) -> CallRecord:
+        """What every rank's call must share, agreed before any byte moves."""
+        return CallRecord(self.collective, self.record_numel(out, inp), inp.dtype, self.reduce_op, self.alg.name, root)
+
+    def body(self, out: torch.Tensor, inp: torch.Tensor, root: int, extra) -> None:
+        """The call itself (root: a group rank, or -1 where the collective has none; extra:
+        what else the family's call carries, e.g. all_to_all's counts)."""
         raise NotImplementedError
 
     # -- the order of a call and its failure contract -------------------------------------
@@ -66,7 +71,7 @@ class Plan:
             self.ctx.p2p.give_up(refused)
         raise refused
 
-    def execute(self, out: torch.Tensor, inp: torch.Tensor, root: int = -1) -> None:
+    def execute(self, out: torch.Tensor, inp: torch.Tensor, root: int = -1, extra=None) -> None:
         p = self.info.size
         bad = self.refusal(out, inp, p)
         if bad:
@@ -80,10 +85,11 @@ class Plan:
             # An empty call too: its peers may not be empty (shared memory skips empty calls
             # without a record, so an empty one is agreed: the records' sizes differ there).
             if self.agree or (empty and p > 1):
-                self.ctx.p2p.agree(CallRecord(self.collective, self.record_numel(out, inp), inp.dtype,
-                                              self.reduce_op, self.alg.name, root), self.names)
+                agreed = self.ctx.p2p.agree(self.record(out, inp, root, extra), self.names)
+                if agreed is not None:  # all_to_all: every rank's counts, as a matrix
+                    extra = extra.agreed(agreed)
             if not empty:
-                self.body(out, inp, root)
+                self.body(out, inp, root, extra)
         except (CollectiveMismatchError, UnsupportedError):
             raise  # raised alike on every rank, from facts they share
         except BaseException as e:
@@ -94,17 +100,17 @@ class Plan:
             raise
 
 
-def run(plan: Plan, out: torch.Tensor, inp: torch.Tensor, async_op: bool, root: int = -1):
+def run(plan: Plan, out: torch.Tensor, inp: torch.Tensor, async_op: bool, root: int = -1, extra=None):
     """The call on its group's lane: inline when nothing is queued and the caller waits,
     else queued behind the group's earlier calls (a handle when async_op)."""
     if not async_op and plan.lane.try_inline():
         try:
             with lanes.running():
-                plan.execute(out, inp, root)
+                plan.execute(out, inp, root, extra)
         finally:
             plan.lane.end_inline()
         return None
-    return plan.lane.submit(lambda: plan.execute(out, inp, root), out, async_op)
+    return plan.lane.submit(lambda: plan.execute(out, inp, root, extra), out, async_op)
 
 
 def check_tensors(collective: str, *tensors) -> None:

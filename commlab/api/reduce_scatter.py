@@ -36,7 +36,7 @@ class _Plan(family.Plan):
                     f"{p * out.numel()}")
         return None
 
-    def body(self, out, inp, root):
+    def body(self, out, inp, root, extra):
         p = self.info.size
         flat_in = inp.reshape(-1) if inp.is_contiguous() else inp.contiguous().view(-1)
         if p == 1:

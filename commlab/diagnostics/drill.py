@@ -108,9 +108,24 @@ def _broadcast_call(algorithm: str, p: int):
     return call
 
 
+def _all_to_all_call(algorithm: str, p: int):
+    import torch.distributed as dist
+
+    import commlab
+
+    x, out = torch.empty(p << 16), torch.empty(p << 16)
+
+    def call():
+        x.fill_(float(dist.get_rank() + 1))
+        out.zero_()
+        commlab.all_to_all(out, x, algorithm=algorithm)
+        return bool((out.view(p, -1) == torch.arange(1, p + 1, dtype=out.dtype).view(p, 1)).all())
+    return call
+
+
 # One call of each collective on 256 KiB a rank (several steps), returning its check.
 _CALLS = {"all_reduce": _all_reduce_call, "all_gather": _all_gather_call, "reduce_scatter": _reduce_scatter_call,
-          "broadcast": _broadcast_call}
+          "broadcast": _broadcast_call, "all_to_all": _all_to_all_call}
 
 
 def _call_of(collective: str, algorithm: str, p: int):

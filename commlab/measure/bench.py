@@ -5,8 +5,10 @@
     python -m commlab.allreduce_bench --world-size 4 --collective all_gather
     mpiexec -n 4 python -m commlab.allreduce_bench                   # adds an `mpi` row
 
-algbw = S/t (GB/s, 1e9 bytes); busbw = algbw·2(p-1)/p for all-reduce, algbw·(p-1)/p
-for all-gather (S: the gathered output), comparable to link speed whatever the algorithm. t is nccl-tests' time: a loop's duration over its iterations,
+algbw = S/t (GB/s, 1e9 bytes); busbw = algbw × nccl-tests' factor, comparable to link
+speed whatever the algorithm: 2(p-1)/p for all-reduce, (p-1)/p for all-gather (S: the
+gathered output), reduce-scatter (S: the reduced input) and all-to-all (S: each rank's
+input), 1 for broadcast. t is nccl-tests' time: a loop's duration over its iterations,
 slowest rank; the median per call (slowest rank per call) is printed beside it.
 """
 from __future__ import annotations
@@ -326,7 +328,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("-o", "--op", default="sum", choices=sorted(OPS))
     ap.add_argument("--collective", default="all_reduce", choices=list(algorithms.COLLECTIVES) + ["all"],
                     help="the collective measured (all: each in turn); sizes are nccl-tests': the all-reduced buffer, "
-                         "the gathered output")
+                         "the gathered output, the reduce-scattered input, the broadcast message, each rank's all-to-all input")
     ap.add_argument("--algorithms", default="all", help="comma list of the collective's registered algorithms, or all")
     ap.add_argument("--blocking", action="store_true",
                     help="isolated calls: each starts from a tight barrier made of the row's own transport (a "

@@ -1,6 +1,7 @@
 """What the benchmark needs to know about each collective, in one place: how a size
 becomes a per-rank buffer (nccl-tests' convention: the size is the all-reduced buffer,
-the gathered output, the reduce-scattered input, the broadcast message), how one call runs through commlab or
+the gathered output, the reduce-scattered input, the broadcast message, each rank's
+all-to-all input), how one call runs through commlab or
 through MPI, and what every rank must hold afterwards (#wrong). The bench, its rows and
 the checks iterate SPECS; nothing else branches on a collective's name."""
 from __future__ import annotations
@@ -90,6 +91,15 @@ def _mpi_broadcast(comm, MPI, mpi_op, out, inp):
     comm.Bcast(inp.numpy(), root=0)
 
 
+def _mpi_all_to_all(comm, MPI, mpi_op, out, inp):
+    comm.Alltoall(inp.numpy(), out.numpy())
+
+
+def _exchanged(rank: int, p: int, count: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """What all_to_all of check_input leaves on `rank`: block `rank` of every rank's input."""
+    return torch.cat([check_input(j, count, dtype, Op.SUM, device).view(p, -1)[rank] for j in range(p)])
+
+
 SPECS = {
     "all_reduce": Spec(
         "all_reduce", True, True, True, "",
@@ -124,6 +134,14 @@ SPECS = {
         run=lambda alg, out, inp, op: commlab.broadcast(inp, src=0, algorithm=alg),
         want=lambda rank, p, count, dtype, op, device: check_input(0, count, dtype, Op.SUM, device),
         mpi=_mpi_broadcast, mpi_name="MPI_Bcast"),
+    "all_to_all": Spec(
+        "all_to_all", False, False, False, "size: each rank's input (p blocks); count: its elements",
+        count=lambda nbytes, item, p: max(nbytes // item // p, 1) * p,
+        size=lambda count, item, p: count * item,
+        output=lambda count, p: count,
+        run=lambda alg, out, inp, op: commlab.all_to_all(out, inp, algorithm=alg),
+        want=lambda rank, p, count, dtype, op, device: _exchanged(rank, p, count, dtype, device),
+        mpi=_mpi_all_to_all, mpi_name="MPI_Alltoall"),
 }
 
 

@@ -79,24 +79,38 @@ def abandon(group: dist.ProcessGroup, text: str) -> None:
 class CallRecord:
     """What one call is, as every rank must agree on it before any of its bytes move."""
 
+    HEAD = 7  # the columns every rank's record must share; all_to_all's counts follow
+
     def __init__(self, collective: str, elements: int, dtype: torch.dtype, op: Op | None, algorithm: str,
-                 root: int = -1):
+                 root: int = -1, splits: tuple[list[int], list[int]] | None = None):
         self.collective, self.elements, self.dtype, self.op = collective, elements, dtype, op
         self.algorithm, self.root = algorithm, root
+        self.splits = splits  # all_to_all: (elements sent to, received from) each group rank
 
-    def row(self, call: int) -> list[int]:
+    def row(self, call: int, p: int) -> list[int]:
+        # Every record of a group has one length (2p counts, zeros where there are none): the
+        # gather of records can never be the mismatched message.
+        send, recv = self.splits if self.splits is not None else ([0] * p, [0] * p)
         return [call, _code(self.collective), self.elements, _DTYPES.get(self.dtype, -1),
-                -1 if self.op is None else int(self.op), self.root, _code(self.algorithm)]
+                -1 if self.op is None else int(self.op), self.root, _code(self.algorithm), *send, *recv]
 
 
 def describe(row: list[int], algorithms) -> str:
     """One rank's gathered record, readable: '131072 float32 SUM ring (call 3)'."""
-    call, collective, elements, dtype, op, root, algorithm = row
+    call, collective, elements, dtype, op, root, algorithm = row[:CallRecord.HEAD]
     dt = str(_ALL_DTYPES[dtype]).replace("torch.", "") if 0 <= dtype < len(_ALL_DTYPES) else "?"
     how = f" {Op(op).name}" if op >= 0 else ""
     where = f" root {root}" if root >= 0 else ""
-    return (f"{_decode(collective, COLLECTIVES)} of {elements} {dt}{how}{where} "
-            f"by {_decode(algorithm, algorithms)} (call {call})")
+    name = _decode(collective, COLLECTIVES)
+    size = "" if name == "all_to_all" else f" {elements}"  # its sizes are per peer: checked as a matrix
+    return f"{name} of{size} {dt}{how}{where} by {_decode(algorithm, algorithms)} (call {call})"
+
+
+def disagreeing_splits(send: torch.Tensor, recv: torch.Tensor) -> tuple[int, int] | None:
+    """The first (sender, receiver), in row order, whose counts differ: send[j, q] elements
+    from j to q against the recv[q, j] that q expects; None when they all agree."""
+    bad = (send != recv.T).nonzero()
+    return None if bad.numel() == 0 else (int(bad[0, 0]), int(bad[0, 1]))
 
 
 class Step:
@@ -253,18 +267,20 @@ class P2P:
     def run(self, sends, recvs) -> None:
         self.post(sends, recvs).wait_all()
 
-    def agree(self, record: CallRecord, algorithms=tuple) -> None:
+    def agree(self, record: CallRecord, algorithms=tuple) -> torch.Tensor | None:
         """Before any byte of the call moves: every rank's record of it (call number,
-        collective, elements, dtype, op, root, algorithm) gathered and compared, so ranks
-        that call differently all raise the same CollectiveMismatchError instead of
-        pairing mismatched messages (gloo lets a short one land in a long receive, and
-        aborts the process on a long one). The record has a fixed size: the gather
-        itself can never be the mismatched message. `algorithms()` names the registered
-        algorithms, for the message only."""
+        collective, elements, dtype, op, root, algorithm; all_to_all's counts per peer)
+        gathered and compared, so ranks that call differently all raise the same
+        CollectiveMismatchError instead of pairing mismatched messages (gloo lets a short
+        one land in a long receive, and aborts the process on a long one). The record has a
+        fixed size: the gather itself can never be the mismatched message. `algorithms()`
+        names the registered algorithms, for the message only. Returns all_to_all's agreed
+        matrix (elements rank j sends rank q), else None."""
         link = self.link
         self._refuse_if_failed()
         link.calls += 1
-        mine = torch.tensor(record.row(link.calls), dtype=torch.int64)
+        p = self.info.size
+        mine = torch.tensor(record.row(link.calls, p), dtype=torch.int64)
         try:
             if link.route is None:
                 link.route = self._records_route()
@@ -278,13 +294,25 @@ class P2P:
             text = link.give_up(str(e)) if link.error is None else link.error
             self._spread(text)
             raise PeerError(text, algorithm=self.algorithm, peer=getattr(e, "peer", None)) from None
-        if bool((rows == rows[0]).all()):
-            return
-        names = algorithms()
-        detail = "; ".join(f"rank {self.info.global_rank(r)}: {describe(rows[r].tolist(), names)}"
-                           for r in range(self.info.size))
-        # Built from the gathered records alone: the same text on every rank.
-        raise CollectiveMismatchError(f"commlab: ranks called differently (caught before any data moved): {detail}")
+        head = rows[:, :CallRecord.HEAD]
+        if not bool((head == head[0]).all()):
+            names = algorithms()
+            detail = "; ".join(f"rank {self.info.global_rank(r)}: {describe(rows[r].tolist(), names)}"
+                               for r in range(p))
+            # Built from the gathered records alone: the same text on every rank.
+            raise CollectiveMismatchError(
+                f"commlab: ranks called differently (caught before any data moved): {detail}")
+        if record.splits is None:
+            return None
+        send, recv = rows[:, CallRecord.HEAD:CallRecord.HEAD + p], rows[:, CallRecord.HEAD + p:]
+        bad = disagreeing_splits(send, recv)
+        if bad is not None:
+            j, q = bad
+            raise CollectiveMismatchError(
+                f"commlab: ranks called all_to_all with splits that disagree (caught before any data moved): "
+                f"rank {self.info.global_rank(j)} sends {int(send[j, q])} elements to rank "
+                f"{self.info.global_rank(q)}, which expects {int(recv[q, j])} from it")
+        return send
 
     def _records_route(self):
         """How this group gathers call records, decided once (collective): through shared

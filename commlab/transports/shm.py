@@ -168,6 +168,11 @@ def broadcast(tensor: torch.Tensor, root: int, info: GroupInfo, algorithm: str) 
     _call(info, algorithm, lambda comm: comm.broadcast(tensor, root))
 
 
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, send: list[int], recv: list[int], info: GroupInfo,
+               algorithm: str) -> None:
+    _call(info, algorithm, lambda comm: comm.alltoall(out, inp, send, recv))
+
+
 def barrier(info: GroupInfo, algorithm: str) -> None:
     _call(info, algorithm, lambda comm: comm.barrier())
 

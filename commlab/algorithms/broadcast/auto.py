@@ -27,7 +27,7 @@ class Auto(BroadcastAlgorithm):
 
     def pick(self, buf, ctx):
         """Collective on a plan's first call: every rank gathers the same host ids. Its
-        result: one algorithm, or None for the per-size choice between two p2p ones."""
+        result: one algorithm, or auto itself for the per-call choice between two p2p ones."""
         if ctx.transport is None:
             if not buf.is_cpu:
                 ctx.transport = _family().get("builtin")

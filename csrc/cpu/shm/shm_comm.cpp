@@ -64,7 +64,7 @@ struct alignas(64) WakeLine {
 // so a piece never pairs with a piece of another call.
 // Which collective a call is: part of the record, so ranks that called different
 // collectives fail with a mismatch instead of exchanging the wrong data.
-enum Kind : int32_t { kAllReduce = 0, kAllGather = 1, kReduceScatter = 2, kBroadcast = 3, kBarrier = 4 };
+enum Kind : int32_t { kAllReduce = 0, kAllGather = 1, kReduceScatter = 2, kBroadcast = 3, kBarrier = 4, kAllToAll = 5 };
 
 struct alignas(64) CallInfo {
   uint64_t piece_seq;
@@ -131,8 +131,8 @@ const char* mode_name(int mode) {
 }
 
 const char* kind_name(int kind) {
-  static const char* names[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"};
-  return kind >= 0 && kind < 5 ? names[kind] : "?";
+  static const char* names[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "all_to_all"};
+  return kind >= 0 && kind < 6 ? names[kind] : "?";
 }
 
 // One thread per process beats every live communicator's own segment. Plain C++, no
@@ -598,6 +598,10 @@ void ShmComm::check_info(int peer, uint64_t piece_seq) {
   auto describe = [](std::ostringstream& out, int64_t rank, const CallInfo& ci) {
     out << "rank " << rank << ": call " << ci.call << " " << kind_name(ci.kind);
     if (ci.kind == kBarrier) return;
+    if (ci.kind == kAllToAll) {  // sizes per peer: compared through the splits, not the record
+      out << " of " << c10::toString(static_cast<c10::ScalarType>(ci.dtype)) << " (piece " << ci.index << ")";
+      return;
+    }
     out << " of " << ci.total << " bytes of " << c10::toString(static_cast<c10::ScalarType>(ci.dtype));
     if (ci.kind == kAllReduce || ci.kind == kReduceScatter) out << ", op " << op_name(ci.op);
     if (ci.kind == kAllReduce) out << ", " << mode_name(ci.mode);
@@ -848,6 +852,86 @@ void ShmComm::broadcast(const torch::Tensor& t, int64_t root) {
         begin(c, call, index, n);
         await_checked(from, c, 2);
         std::memcpy(data + done, segs_[from]->data(par, capacity_), n);
+      }
+    }
+  });
+}
+
+void ShmComm::alltoall(const torch::Tensor& out, const torch::Tensor& in, const std::vector<int64_t>& send,
+                       const std::vector<int64_t>& recv) {
+  check_usable();
+  check_dense(out, "all_to_all", "output");
+  check_dense(in, "all_to_all", "input");
+  TORCH_CHECK(out.scalar_type() == in.scalar_type(), "commlab shm: all_to_all's input and output differ in dtype");
+  TORCH_CHECK(static_cast<int>(send.size()) == world_ && static_cast<int>(recv.size()) == world_,
+              "commlab shm: all_to_all needs one send and one receive count per rank");
+  const int64_t elsize = in.element_size();
+  std::vector<int64_t> soff(world_ + 1, 0), roff(world_ + 1, 0);  // byte offsets of each peer's block
+  for (int q = 0; q < world_; ++q) {
+    TORCH_CHECK(send[q] >= 0 && recv[q] >= 0, "commlab shm: all_to_all counts must not be negative");
+    soff[q + 1] = soff[q] + send[q] * elsize;
+    roff[q + 1] = roff[q] + recv[q] * elsize;
+  }
+  TORCH_CHECK(soff[world_] == in.numel() * elsize && roff[world_] == out.numel() * elsize,
+              "commlab shm: all_to_all counts must add up to the input's and the output's sizes");
+  char* dst = static_cast<char*>(out.data_ptr());
+  const char* src = static_cast<const char*>(in.data_ptr());
+  if (world_ == 1) {
+    TORCH_CHECK(send[0] == recv[0], "commlab shm: all_to_all of one rank sends ", send[0], " elements to itself and expects ",
+                recv[0]);
+    if (send[0] != 0 && dst != src) std::memmove(dst, src, send[0] * elsize);
+    return;
+  }
+  // A piece's buffer: every rank's byte counts (sent to, received from each peer), then
+  // one slot per destination holding the same stretch of each block.
+  const int64_t head = ((2 * world_ * static_cast<int64_t>(sizeof(int64_t)) + 63) / 64) * 64;
+  const int64_t slot = ((capacity_ - head) / world_ / 64) * 64;  // a multiple of every element size
+  TORCH_CHECK(slot > 0, "commlab shm: capacity too small for all_to_all among ", world_, " ranks");
+  // The record carries no sizes (they differ by rank): the counts are checked as a whole below.
+  const Call call{kAllToAll, 0, static_cast<int32_t>(in.scalar_type()), -1, -1, -1};
+  guarded([&] {
+    int64_t pieces = 1;  // known after the first piece, from every rank's counts
+    for (int64_t index = 0; index < pieces; ++index) {
+      const int64_t done = index * slot;
+      const uint64_t c = ++seq_;
+      const int par = static_cast<int>(c & 1);
+      char* own = segs_[rank_]->data(par, capacity_);
+      int64_t* counts = reinterpret_cast<int64_t*>(own);
+      for (int q = 0; q < world_; ++q) {
+        counts[q] = send[q] * elsize;
+        counts[world_ + q] = recv[q] * elsize;
+        const int64_t n = std::min(slot, std::max<int64_t>(0, send[q] * elsize - done));
+        if (n > 0) std::memcpy(own + head + q * slot, src + soff[q] + done, n);
+      }
+      begin(c, call, index, slot);
+      if (index == 0) {
+        // Every rank's counts before any byte lands: each rank checks the whole matrix in
+        // the same order, so a disagreement is the same error on every rank.
+        int64_t biggest = 0;
+        for (int j = 0; j < world_; ++j) {
+          if (j != rank_) await_checked(j, c, 1);
+        }
+        for (int j = 0; j < world_; ++j) {
+          const int64_t* sj = reinterpret_cast<const int64_t*>(segs_[j]->data(par, capacity_));
+          for (int q = 0; q < world_; ++q) {
+            const int64_t* rq = reinterpret_cast<const int64_t*>(segs_[q]->data(par, capacity_)) + world_;
+            if (sj[q] != rq[j]) {
+              std::ostringstream msg;
+              msg << "commlab shm: mismatch: ranks called all_to_all with splits that disagree: rank "
+                  << global_ranks_[j] << " sends " << sj[q] / elsize << " elements to rank " << global_ranks_[q]
+                  << ", which expects " << rq[j] / elsize << " from it";
+              give_up(kMismatch, global_ranks_[j == rank_ ? q : j], msg.str());
+            }
+            biggest = std::max(biggest, sj[q]);
+          }
+        }
+        pieces = std::max<int64_t>(1, (biggest + slot - 1) / slot);
+      }
+      for (int k = 0; k < world_; ++k) {
+        const int j = (rank_ + k) % world_;  // start at different peers to spread the reads
+        if (j != rank_ && index > 0) await_checked(j, c, 1);
+        const int64_t n = std::min(slot, std::max<int64_t>(0, recv[j] * elsize - done));
+        if (n > 0) std::memcpy(dst + roff[j] + done, segs_[j]->data(par, capacity_) + head + rank_ * slot, n);
       }
     }
   });

@@ -1,6 +1,6 @@
 // Shared-memory collectives for CPU ranks on one host: all-reduce (one-shot, two-shot,
-// root), and the pieces of two-shot on their own (all-gather, reduce-scatter), broadcast
-// and barrier, which the torch.distributed backend serves through the same sequence.
+// root), and the pieces of two-shot on their own (all-gather, reduce-scatter), broadcast,
+// all-to-all and barrier, which the torch.distributed backend serves through the same sequence.
 //
 // Each rank owns one segment (created O_EXCL, mode 0600, name from a 128-bit token the
 // group agreed on), with a header validated on attach, a sequence counter and a futex
@@ -54,6 +54,11 @@ class ShmComm {
   // out (n elements) = the reduction of every rank's slice `rank` of in (world * n elements).
   void reduce_scatter(const torch::Tensor& out, const torch::Tensor& in, int64_t op);
   void broadcast(const torch::Tensor& t, int64_t root);
+  // out (sum(recv) elements: recv[j] from rank j, in rank order) = every rank's block for
+  // this rank (send[q] of in's elements go to rank q, in rank order); every rank checks the
+  // whole matrix of counts before any byte lands.
+  void alltoall(const torch::Tensor& out, const torch::Tensor& in, const std::vector<int64_t>& send,
+                const std::vector<int64_t>& recv);
   void barrier();
   // Gives up on this communicator for a reason found outside it (another stage of a
   // hierarchical call failed): peers waiting on this rank fail at once, with `why`.

@@ -1,0 +1,71 @@
+"""The one shape every all-to-all algorithm has: `run(out, inp, counts, ctx)` sends block q
+of the flat contiguous `inp` (counts.send[q] elements, rank order) to rank q and leaves
+the block from each rank j (counts.recv[j] elements) in the flat contiguous `out`, in
+rank order. Validation, splits along dim 0, strided layouts, agreement, async and errors
+live once, in commlab/api/all_to_all.py."""
+from __future__ import annotations
+
+import torch
+
+from ..base import Context, Member
+
+
+class Counts:
+    """One rank's all_to_all: the elements it sends each group rank and receives from
+    each; once the call is agreed, `matrix[j][q]` the elements rank j sends rank q, as
+    every rank gathered it (None where the transport checks the counts itself)."""
+
+    def __init__(self, send: list[int], recv: list[int], matrix: torch.Tensor | None = None):
+        self.send, self.recv, self.matrix = send, recv, matrix
+
+    def agreed(self, matrix: torch.Tensor) -> "Counts":
+        return Counts(self.send, self.recv, matrix)
+
+    @property
+    def even(self) -> bool:
+        return len(set(self.send)) == 1 and len(set(self.recv)) == 1
+
+    def biggest(self) -> int:
+        """The largest block any rank sends any other (the agreed matrix's maximum)."""
+        if self.matrix is None:
+            raise ValueError("the counts of every rank are known only once the call is agreed")
+        return int(self.matrix.max())
+
+
+def split(t: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+    """A flat tensor's blocks of `counts` elements (views, rank order)."""
+    return list(t.split(counts))
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat contiguous tensor's bytes: moving bytes needs no dtype (gloo refuses complex)."""
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+class AllToAllAlgorithm(Member):
+    collective = "all_to_all"
+
+    @staticmethod
+    def busbw_factor(p: int) -> float:
+        """nccl-tests' alltoall factor (p-1)/p of each rank's input."""
+        return (p - 1) / p if p > 1 else 0.0
+
+    def unsupported(self, inp: torch.Tensor, info) -> str | None:
+        """Why this algorithm cannot serve the call, from facts every rank shares."""
+        return None
+
+    def prepare(self, inp: torch.Tensor, ctx: Context) -> None:
+        """Collective, on every rank's first call of a plan, before checks_calls: what an
+        algorithm decides with its peers (auto's pick)."""
+
+    def checks_calls(self, ctx: Context) -> bool:
+        """Whether the transport itself compares the ranks' calls, counts included
+        (shared memory); otherwise the API agrees on every call first (P2P.agree) and
+        hands the algorithm every rank's counts."""
+        return False
+
+    def run(self, out: torch.Tensor, inp: torch.Tensor, counts: Counts, ctx: Context) -> None:
+        """out (sum(counts.recv) elements, contiguous) = the blocks every rank sends this
+        one, in rank order; inp (sum(counts.send), contiguous, not modified, never
+        overlapping out); ctx.size > 1; counts.matrix set unless checks_calls."""
+        raise NotImplementedError
