@@ -389,7 +389,7 @@ def test_a_script_that_destroys_its_group_exits_cleanly(tmp_path):
 
 
 def shm_collectives(rank, p):
-    """all_gather, reduce_scatter, broadcast and barrier through the backend: served by
+    """all_gather, reduce_scatter, broadcast, all_to_all and barrier through the backend: served by
     commlab's shared memory (its call counter moves), right for every size (several
     pieces past the 1 MiB buffers), dtype, op, list form and aliasing."""
     import functools
@@ -412,6 +412,23 @@ def shm_collectives(rank, p):
             dist.broadcast(b, src=1)
             out[f"broadcast {n} {dtype}"] = torch.equal(b, (torch.arange(n) % 13 + 1).to(dtype))
             n_calls += 4
+    # all_to_all: even (one and several pieces), uneven splits of 2-element rows, list form.
+    for n in (1, 300_000):
+        x = (torch.arange(p * n) + 100 * rank).float()
+        y = torch.empty(p * n)
+        dist.all_to_all_single(y, x)
+        out[f"all_to_all {n}"] = torch.equal(y, torch.cat(
+            [(torch.arange(p * n) + 100 * j).float()[rank * n:(rank + 1) * n] for j in range(p)]))
+    isp, osp = [rank + q + 1 for q in range(p)], [j + rank + 1 for j in range(p)]
+    y = torch.empty(sum(osp), 2)
+    dist.all_to_all_single(y, torch.cat([torch.full((s, 2), float(10 * rank + q)) for q, s in enumerate(isp)]), osp, isp)
+    out["all_to_all uneven"] = torch.equal(y, torch.cat([torch.full((s, 2), float(10 * j + rank))
+                                                         for j, s in enumerate(osp)]))
+    outs = [torch.empty(j + rank + 1) for j in range(p)]
+    dist.all_to_all(outs, [torch.full((rank + q + 1,), float(10 * rank + q)) for q in range(p)])
+    out["all_to_all list"] = all(torch.equal(o, torch.full((j + rank + 1,), float(10 * j + rank)))
+                                 for j, o in enumerate(outs))
+    n_calls += 4
     # Types only copied (never reduced) and AVG.
     flags = torch.tensor([rank % 2 == 0, True])
     gf = torch.empty(2 * p, dtype=torch.bool)

@@ -17,9 +17,13 @@ What runs where:
 - broadcast of a CPU tensor: commlab.broadcast with the family's algorithm
   (COMMLAB_BROADCAST_ALGORITHM, default `auto`: shared memory on one host, the binomial
   tree or scatter + all-gather across hosts), on the same thread and sequence;
+- all_to_all (all_to_all_single, uneven splits included, or lists of tensors) of CPU
+  tensors: commlab.all_to_all with the family's algorithm (COMMLAB_ALL_TO_ALL_ALGORITHM,
+  default `auto`: shared memory on one host, Bruck or pairwise exchange across hosts),
+  on the same thread and sequence;
 - barrier, when every rank is on one host: commlab's shared memory, on the same thread
-  and sequence; COMMLAB_COLLECTIVES=gloo sends it, all_gather, reduce_scatter and
-  broadcast to gloo instead;
+  and sequence; COMMLAB_COLLECTIVES=gloo sends it, all_gather, reduce_scatter,
+  broadcast and all_to_all to gloo instead;
 - every other collective: a gloo backend of the same ranks ("front"), so nothing a
   user calls is missing; issued once every earlier call on the thread is done, so
   calls on one group run in the order they were made;
@@ -42,6 +46,7 @@ from torch._C._distributed_c10d import Work as _C10dWork
 
 from commlab.api import all_gather as gathers
 from commlab.api import all_reduce as api
+from commlab.api import all_to_all as swaps
 from commlab.api import broadcast as casts
 from commlab.api import lanes
 from commlab.api import reduce_scatter as scatters
@@ -164,6 +169,31 @@ class CommlabBackend(_C10dBackend):
         return self._registry_or_gloo(
             lambda g: casts.broadcast(t, group=g, group_src=root, algorithm=_broadcast_algorithm()),
             tensors, "broadcast", tensors, opts)
+
+    def all_to_all_single(self, output, inp, output_splits, input_splits, opts):
+        if _internal() or not (_cpu_strided(output) and _cpu_strided(inp) and output.dtype == inp.dtype):
+            return self._delegate("all_to_all_single", output, inp, output_splits, input_splits, opts)
+        osp, isp = list(output_splits) or None, list(input_splits) or None  # c10d's empty list: even
+        return self._registry_or_gloo(
+            lambda g: swaps.all_to_all(output, inp, osp, isp, g, algorithm=_all_to_all_algorithm()),
+            [output], "all_to_all_single", output, inp, output_splits, input_splits, opts)
+
+    def alltoall(self, outputs, inputs, opts):
+        p = self.size()
+        if _internal() or len(outputs) != p or len(inputs) != p or not all(
+                _cpu_strided(t) and t.dtype == inputs[0].dtype for t in (*outputs, *inputs)):
+            return self._delegate("alltoall", outputs, inputs, opts)
+
+        def run(group):
+            # One flat exchange: tensor q's elements are the block for rank q.
+            whole = torch.cat([t.reshape(-1) for t in inputs])
+            flat = torch.empty(sum(o.numel() for o in outputs), dtype=inputs[0].dtype)
+            swaps.all_to_all(flat, whole, [o.numel() for o in outputs], [t.numel() for t in inputs], group,
+                             algorithm=_all_to_all_algorithm())
+            for o, piece in zip(outputs, flat.split([o.numel() for o in outputs])):
+                o.copy_(piece.view(o.shape))
+
+        return self._registry_or_gloo(run, outputs, "alltoall", outputs, inputs, opts)
 
     def barrier(self, opts=None):
         args = () if opts is None else (opts,)
@@ -314,8 +344,7 @@ class _Work(_C10dWork):
 # Everything else: the gloo backend's method of the same name (its Python names are
 # those PyBackend looks up on us).
 for _name in ("allgather_coalesced", "all_gather_single_coalesced", "allreduce_coalesced", "allreduce_sparse",
-              "reduce", "gather", "gather_single", "scatter", "reduce_scatter_single_coalesced", "alltoall",
-              "all_to_all_single", "send", "recv", "recv_anysource"):
+              "reduce", "gather", "gather_single", "scatter", "reduce_scatter_single_coalesced", "send", "recv", "recv_anysource"):
     setattr(CommlabBackend, _name, (lambda name: lambda self, *args: self._delegate(name, *args))(_name))
 
 
@@ -340,6 +369,10 @@ def _gather_algorithm() -> str:
 
 def _scatter_algorithm() -> str:
     return os.environ.get("COMMLAB_REDUCE_SCATTER_ALGORITHM", "") or "auto"
+
+
+def _all_to_all_algorithm() -> str:
+    return os.environ.get("COMMLAB_ALL_TO_ALL_ALGORITHM", "") or "auto"
 
 
 def _broadcast_algorithm() -> str:
