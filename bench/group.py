@@ -13,7 +13,7 @@ import torch.distributed as dist
 from commlab.measure import launch
 
 STOP = -1
-ALLREDUCE, DDP_STEP, ALLGATHER, REDUCESCATTER, BROADCAST = 0, 1, 2, 3, 4
+ALLREDUCE, DDP_STEP, ALLGATHER, REDUCESCATTER, BROADCAST, ALLTOALL = 0, 1, 2, 3, 4, 5
 # How a DDP step communicates: DDP's own allreduce, commlab's overlapped hook, the same
 # reduction blocking inside the hook, or no communication at all.
 HOOKS = ["ddp", "async", "blocking", "noop"]
@@ -35,6 +35,7 @@ def _helper(rank: int, world_size: int) -> None:
     gathers = commlab.algorithms.registry("all_gather").for_device("cpu")
     scatters = commlab.algorithms.registry("reduce_scatter").for_device("cpu")
     casts = commlab.algorithms.registry("broadcast").for_device("cpu")
+    swaps = commlab.algorithms.registry("all_to_all").for_device("cpu")
     while True:
         kind, a, b, calls = _plan()
         if kind == STOP:
@@ -53,6 +54,11 @@ def _helper(rank: int, world_size: int) -> None:
             for _ in range(calls + 1):  # the last one: the test's checked call
                 commlab.broadcast(buf, src=0, algorithm=casts[a])
             wrong_elements(buf)
+        elif kind == ALLTOALL:
+            inp, out = swap_buffers(rank, b, world_size)
+            for _ in range(calls + 1):  # the last one: the test's checked call
+                commlab.all_to_all(out, inp, algorithm=swaps[a])
+            wrong_swapped(out, world_size)
         elif kind == ALLREDUCE:
             buf = torch.zeros(max(b // 4, 1), dtype=torch.float32)
             for _ in range(calls):
@@ -113,6 +119,21 @@ def scatter_buffers(rank: int, nbytes: int, world_size: int) -> tuple[torch.Tens
     return torch.full((world_size * n,), float(rank + 1)), torch.zeros(n)
 
 
+def swap_buffers(rank: int, nbytes: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, output) of an all-to-all whose input is nbytes (nccl-tests' size); every
+    block rank r sends holds r + 1, so every rank's output holds 1..p block by block."""
+    n = max(nbytes // 4 // world_size, 1)
+    return torch.full((world_size * n,), float(rank + 1)), torch.zeros(world_size * n)
+
+
+def wrong_swapped(out: torch.Tensor, world_size: int) -> int:
+    """Elements of an all-to-all's output differing from 1..p block by block, summed over every rank."""
+    want = torch.arange(1, world_size + 1, dtype=out.dtype).repeat_interleave(out.numel() // world_size)
+    wrong = torch.tensor([int((out != want).sum())])
+    dist.all_reduce(wrong)
+    return int(wrong.item())
+
+
 def wrong_elements(buf: torch.Tensor) -> int:
     """Elements differing from rank 0's message (1.0), summed over every rank."""
     wrong = torch.tensor([int((buf != 1.0).sum())])
@@ -171,6 +192,13 @@ class BenchGroup:
 
         _plan([BROADCAST, commlab.algorithms.registry("broadcast").for_device("cpu").index(algorithm), nbytes, calls])
         return torch.full((max(nbytes // 4, 1),), 1.0)
+
+    def prepare_all_to_all(self, algorithm: str, nbytes: int, calls: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tell the helpers an all-to-all comes next; returns rank 0's (input, output)."""
+        import commlab
+
+        _plan([ALLTOALL, commlab.algorithms.registry("all_to_all").for_device("cpu").index(algorithm), nbytes, calls])
+        return swap_buffers(0, nbytes, self.world_size)
 
     def checked_sum(self) -> float:
         return float(sum(range(1, self.world_size + 1)))

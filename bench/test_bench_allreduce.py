@@ -1,9 +1,9 @@
-"""pytest bench/ --benchmark-only: each all-reduce, all-gather, reduce-scatter and broadcast algorithm x {4 KiB,
+"""pytest bench/ --benchmark-only: each all-reduce, all-gather, reduce-scatter, broadcast and all-to-all algorithm x {4 KiB,
 1 MiB, 16 MiB} on a persistent 4-rank gloo group; busbw (nccl-tests definition) in
 extra_info."""
 import pytest
 import torch
-from group import wrong_elements
+from group import wrong_elements, wrong_swapped
 
 import commlab
 from commlab.algorithms import Algorithm, for_device
@@ -103,3 +103,26 @@ def test_broadcast(benchmark, bench_group, algorithm, size):
     algbw = buf.numel() * buf.element_size() / t / 1e9
     benchmark.extra_info.update(world_size=bench_group.world_size, bytes=buf.numel() * 4, algbw_gbps=algbw,
                                 busbw_gbps=algbw * commlab.algorithms.registry("broadcast").busbw_factor(1))
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("algorithm", commlab.algorithms.registry("all_to_all").for_device("cpu"))
+def test_all_to_all(benchmark, bench_group, algorithm, size):
+    nbytes, rounds = SIZES[size], ROUNDS[size]  # nbytes: each rank's input
+    warmup = 2
+    calls = 1 if benchmark.disabled else rounds + warmup
+    inp, out = bench_group.prepare_all_to_all(algorithm, nbytes, calls)
+    benchmark.group = f"all_to_all {size}"
+    benchmark.pedantic(commlab.all_to_all, args=(out, inp), kwargs={"algorithm": algorithm},
+                       rounds=rounds, iterations=1, warmup_rounds=warmup)
+    # One more call, checked on every rank: rank r sends r + 1 in every block.
+    out.zero_()
+    commlab.all_to_all(out, inp, algorithm=algorithm)
+    assert wrong_swapped(out, bench_group.world_size) == 0, (algorithm, size)
+    if benchmark.disabled:
+        return
+    t = benchmark.stats.stats.median
+    p = bench_group.world_size
+    algbw = inp.numel() * inp.element_size() / t / 1e9
+    benchmark.extra_info.update(world_size=p, bytes=inp.numel() * 4, algbw_gbps=algbw,
+                                busbw_gbps=algbw * commlab.algorithms.registry("all_to_all").busbw_factor(p))
