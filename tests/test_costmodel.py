@@ -121,3 +121,31 @@ def test_the_emulated_host_measurements_predict_what_was_left_out():
     for errs in (across, *h["layouts"].values()):
         bad = {k: e for k, e in errs.items() if e["median_rel_err"] > 0.25}
         assert not bad, bad
+
+
+def test_one_level_fit_of_another_collective_names_its_winners_per_size_range(tmp_path):
+    """costmodel --from a bench JSON of all_to_all fits that family's formulas (pairwise,
+    bruck) and prints who wins each size range: Bruck's log2 p steps below the crossover
+    the formulas give, pairwise above."""
+    fam = commlab.algorithms.registry("all_to_all")
+    alpha, beta = 200.0, 1 / 1e3  # µs per step, µs per byte
+    results = [{"algorithm": a, "bytes": n, "time_us": fam.get(a).cost(4, n).time(alpha, beta)}
+               for a in ("pairwise", "bruck") for n in [2 ** e for e in range(10, 25)]]
+    src = tmp_path / "a2a.json"
+    src.write_text(json.dumps({"collective": "all_to_all", "env": {"world_size": 4}, "results": results}))
+    out = tmp_path / "fit.json"
+    proc = _run(["-m", "commlab.costmodel", "--from", str(src), "--ranks", "64", "--bytes", "1M",
+                 "--min-bytes", "1K", "--max-bytes", "1G", "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    assert "all_to_all: fitted on 4 ranks" in proc.stdout and "winners per size range" in proc.stdout
+    got = json.loads(out.read_text())
+    assert got["fits"]["pairwise"]["alpha_us"] == pytest.approx(alpha, rel=1e-3)
+    spans = got["winners"]["64"]
+    assert [s["algorithm"] for s in spans] == ["bruck", "pairwise"], spans
+    # Where the formulas cross at 64 ranks: 63α + 63/64·nβ = 6α + moved/64·nβ.
+    b, pw = fam.get("bruck").cost(64, 1.0), fam.get("pairwise").cost(64, 1.0)
+    cross = (pw.steps - b.steps) * alpha / ((b.bytes_sent - pw.bytes_sent) * beta)
+    assert spans[0]["to_bytes"] == pytest.approx(cross, rel=0.01)
+    # A JSON of one collective is not fitted with another's formulas.
+    bad = _run(["-m", "commlab.costmodel", "--from", str(src), "--collective", "all_gather"])
+    assert bad.returncode == 2 and "measured all_to_all, not all_gather" in bad.stderr

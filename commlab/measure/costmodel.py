@@ -435,8 +435,15 @@ def winners(model: TwoLevel, hosts: int, per_host: int, names: list[str], lo: fl
             share: float = 1.0) -> list[tuple]:
     """[(from_bytes, to_bytes, algorithm)]: the predicted fastest over [lo, hi], each
     crossover located by bisection on the log of the size (to 0.5 %)."""
+    return ranges(lambda a, n: model.predict_us(a, hosts, per_host, n, share), names, lo, hi)
+
+
+def ranges(predict, names: list[str], lo: float, hi: float) -> list[tuple]:
+    """[(from_bytes, to_bytes, algorithm)]: the fastest by `predict(algorithm, bytes)` (µs,
+    or None where it has no prediction) over [lo, hi], each crossover located by
+    bisection on the log of the size (to 0.5 %); ties go to the first name."""
     def best(n):
-        ts = {a: model.predict_us(a, hosts, per_host, n, share) for a in names}
+        ts = {a: predict(a, n) for a in names}
         ts = {a: t for a, t in ts.items() if t is not None}
         return min(ts, key=lambda a: (ts[a], names.index(a))) if ts else None
 
@@ -554,6 +561,8 @@ def main(argv=None) -> int:
     ap.add_argument("--holdout", action="store_true",
                     help="fit on every other size and report the error on the sizes left out")
     ap.add_argument("--json", help="write fits and predictions here")
+    ap.add_argument("--collective", choices=algorithms.COLLECTIVES,
+                    help="one level: the family whose formulas are fitted (default: the one the JSON measured)")
     args = ap.parse_args(argv)
     if args.fit or args.intra:
         try:
@@ -566,12 +575,16 @@ def main(argv=None) -> int:
         doc = json.load(f)
     pts = points_from_results(doc)
     p_measured = int(doc["env"]["world_size"])
-    out = {"measured_world_size": p_measured, "fits": {}, "predictions": [], "holdout": {}}
+    collective = args.collective or doc.get("collective", "all_reduce")
+    if doc.get("collective", "all_reduce") != collective:
+        ap.error(f"{args.source} measured {doc.get('collective', 'all_reduce')}, not {collective}")
+    out = {"collective": collective, "measured_world_size": p_measured, "fits": {}, "predictions": [], "holdout": {},
+           "winners": {}}
 
     if args.holdout:
         sizes = sorted({n for _, _, n, _ in pts})
         train_sizes = set(sizes[::2])
-        fits = fit([q for q in pts if q[2] in train_sizes], doc["env"].get("gamma_us_per_byte"))
+        fits = fit([q for q in pts if q[2] in train_sizes], doc["env"].get("gamma_us_per_byte"), collective)
         print(f"# hold-out check: fit on {len(train_sizes)} sizes, tested on the other {len(sizes) - len(train_sizes)}")
         print(f"# {'algorithm':>12} {'median err':>11} {'max err':>9}")
         for alg, fobj in sorted(fits.items()):
@@ -581,8 +594,8 @@ def main(argv=None) -> int:
                 print(f"  {alg:>12} {np.median(errs) * 100:10.1f}% {max(errs) * 100:8.1f}%")
 
     gamma = doc["env"].get("gamma_us_per_byte")
-    fits = fit(pts, gamma)
-    print(f"# fitted on {p_measured} ranks ({args.source})")
+    fits = fit(pts, gamma, collective)
+    print(f"# {collective}: fitted on {p_measured} ranks ({args.source})")
     print(f"# {'algorithm':>12} {'alpha(us)':>10} {'1/beta(GB/s)':>13} {'gamma(ns/B)':>12} {'median err':>11} {'max err':>8}")
     for alg, fobj in sorted(fits.items()):
         out["fits"][alg] = asdict(fobj)
@@ -599,6 +612,13 @@ def main(argv=None) -> int:
             out["predictions"].append({"bytes": n, "ranks": p, "time_us": row})
             best = min(row, key=row.get) if row else "-"
             print(f"  {format_bytes(n):>10} {p:6d} " + " ".join(f"{row[a]:12.1f}" for a in sorted(fits)) + f"   best: {best}")
+    lo, hi = parse_bytes(args.min_bytes), parse_bytes(args.max_bytes)
+    print(f"# winners per size range, {format_bytes(lo)}-{format_bytes(hi)} (fitted models; auto and external rows left out)")
+    names = sorted(a for a in fits if a != "auto")
+    for p in ranks:
+        spans = ranges(lambda a, n: fits[a].predict_us(p, n), names, lo, hi)
+        out["winners"][str(p)] = [{"from_bytes": a, "to_bytes": b, "algorithm": w} for a, b, w in spans]
+        print(f"  {p:6d} ranks: " + ", ".join(f"{format_bytes(a)}-{format_bytes(b)} {w}" for a, b, w in spans))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
