@@ -189,7 +189,7 @@ def mismatched(rank, p, algorithm, what):
 def test_a_mismatch_is_the_same_error_on_every_rank(ranks, algorithm, what):
     got = ranks.run(3, mismatched, algorithm, what)
     assert all(kind == "mismatch" for kind, _ in got), got
-    if algorithm not in ("shm", "auto"):  # on one host these are shm, whose texts say "this rank"
+    if algorithm not in ("shm", "auto", "hier"):  # on one host these are shm, whose texts say "this rank"
         assert len({text for _, text in got}) == 1, got
 
 
@@ -248,10 +248,11 @@ def across_hosts(rank, p, hosts, algorithm):
 
 
 @pytest.mark.parametrize("name", list(HOST_LAYOUTS))
-@pytest.mark.parametrize("algorithm", ["auto", "rh"])
+@pytest.mark.parametrize("algorithm", ["auto", "hier", "rh"])
 def test_across_emulated_hosts(ranks, name, algorithm):
     p, hosts = HOST_LAYOUTS[name]
     got = ranks.run(p, across_hosts, hosts, algorithm)
     assert all(bad == [] for bad, _ in got), got
-    if algorithm == "auto":  # shm on one host, the ring across hosts
-        assert {picked for _, picked in got} == {"shm" if name == "1 host" else "ring"}, got
+    if algorithm == "auto":  # shm on one host, hier where a host has several ranks, the ring with one rank per host
+        want = {"1x3": "ring", "1 host": "shm"}.get(name, "hier")
+        assert {picked for _, picked in got} == {want}, got

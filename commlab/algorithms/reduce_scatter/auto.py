@@ -1,6 +1,7 @@
 """The default reduce-scatter: decided once per group from facts every rank shares (its
-host ids): shared memory when every CPU rank is on one host, else the ring
-(bandwidth-optimal; the sizes FSDP reduces are large); the backend's own on GPUs. One
+host ids): shared memory when every CPU rank is on one host, hier across hosts where
+some host has several ranks, else the ring (bandwidth-optimal; the sizes FSDP reduces
+are large); the backend's own on GPUs. One
 pick per group, whatever the size, so a size mismatch can never straddle two algorithms."""
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from .base import ReduceScatterAlgorithm
 
 class Auto(ReduceScatterAlgorithm):
     name = "auto"
-    summary = "shm when every rank is on one host (CPU), else ring; GPU: builtin"
+    summary = "shm when every rank is on one host (CPU), hier across hosts, ring with one rank per host; GPU: builtin"
     formula = "that of the algorithm it picks (modelled as shm's)"
     wins_when = "you do not want to choose"
     order = 5
@@ -31,8 +32,10 @@ class Auto(ReduceScatterAlgorithm):
                 name = "builtin"
             else:
                 hosts = host_ids(ctx.info, "auto", "choosing a reduce_scatter algorithm")
-                one_host = len(set(hosts)) == 1 and shm.unsupported(ctx.info) is None
-                name = "shm" if one_host and inp.dtype in SUPPORTED_DTYPES else "ring"
+                # A host with two or more ranks, whose shared memory reduces this dtype.
+                shared = len(hosts) > len(set(hosts)) and shm.unsupported(ctx.info) is None \
+                    and inp.dtype in SUPPORTED_DTYPES
+                name = ("shm" if len(set(hosts)) == 1 else "hier") if shared else "ring"
             ctx.transport = _family().get(name)
         return ctx.transport
 
