@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Measurements of a collective family behind docs/measurements.md (#all-gather,
-# #reduce-scatter):  docs/data/collective-bench.sh all_gather|reduce_scatter
-# Output in docs/data/<collective>-bench.txt (all-gather-bench.txt, reduce-scatter-bench.txt).
+# #reduce-scatter, #broadcast, #all-to-all):
+#   docs/data/collective-bench.sh all_gather|reduce_scatter|broadcast|all_to_all
+# Output in docs/data/<collective>-bench.txt (all-gather-bench.txt, ...).
 # 1. Shared memory against the peers, each under its own launcher's run: commlab's rows
-#    and MPICH's call (MPI_Allgather, MPI_Reduce_scatter_block) under MPICH's mpiexec,
+#    and MPICH's call (MPI_Allgather, MPI_Reduce_scatter_block, MPI_Bcast, MPI_Alltoall) under MPICH's mpiexec,
 #    then Open MPI's under Open MPI's; 2 and 4 ranks; back-to-back loops and isolated
 #    calls; builtin is gloo's.
 # 2. The point-to-point algorithms against their cost formulas: 3 ranks (rd runs Bruck,
 #    rh folds) and 4 (powers of two), small to large.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-collective=${1:?all_gather or reduce_scatter}
+collective=${1:?all_gather, reduce_scatter, broadcast or all_to_all}
 p2p=$(python -c "from commlab import algorithms
 print(','.join(n for n in algorithms.registry('$collective').for_device('cpu') if n not in ('auto', 'shm', 'hier')))")
 out=docs/data/${collective//_/-}-bench.txt
