@@ -114,3 +114,43 @@ def test_more_ranks_than_gpus_is_a_clear_error_before_anything_starts():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "no CUDA device is visible" in proc.stderr or "NCCL needs a GPU per rank" in proc.stderr, proc.stderr
+
+
+def test_sharded_modes_train_alike_and_hold_what_the_formulas_say():
+    """ddp, zero1, fsdp (torch's collectives, and commlab's shm through FSDP2's custom
+    comm hooks), fsdp:noreshard: the same transformer, seed, data and AdamW end with the
+    same parameters; each rank's tensor bytes are what the per-parameter formulas say
+    (DDP 4 param + 4 grad + 4 bucket + 8 Adam; ZeRO-1 the Adam state / p; FSDP all of it
+    / p plus what is gathered), and so are the bytes communicated per step."""
+    from commlab.training import workloads
+    from commlab.training.compare import cli
+
+    p = 2
+    args = {"device": "cpu", "share_gpu": False, "timeout": 60.0, "mem_limit_mb": None, "model": "transformer",
+            "width": 64, "depth": 2, "input_shape": None, "checkpoint": False, "bucket_cap_mb": 25.0, "lr": 1e-3,
+            "optimizer": "adamw", "batch_size": 8, "accum_steps": 1, "amp": None, "warmup": 1, "iters": 2,
+            "mode_timeout": 240.0, "threads": 1, "return_params": True}
+    n = sum(t.numel() for t in workloads.build("transformer", width=64, depth=2).model.parameters())
+    rows = {m: cli.run_mode(m, p, args) for m in ("ddp", "zero1", "fsdp", "fsdp:shm", "fsdp:noreshard")}
+    for m, r in rows.items():
+        assert r["status"] == "ok", r
+    ref = rows["ddp"]["params"]
+    for m, r in rows.items():
+        assert len(r["params"]) == n
+        assert max(abs(a - b) for a, b in zip(r["params"], ref)) < 1e-5, m
+    mib = 2**20
+    ddp, zero1, fsdp = rows["ddp"], rows["zero1"], rows["fsdp"]
+    assert ddp["tensor_mb"] * mib == pytest.approx(20 * n, rel=0.02)
+    assert zero1["tensor_mb"] * mib == pytest.approx((12 + 8 / p) * n, rel=0.05)
+    assert zero1["tensor_breakdown_mb"]["optimizer_state"] * mib == pytest.approx(8 * n / p, rel=0.05)
+    for m in ("fsdp", "fsdp:shm", "fsdp:noreshard"):
+        got = rows[m]["tensor_breakdown_mb"]
+        assert got["parameters"] * mib == pytest.approx(4 * n / p, rel=0.05), (m, got)
+        assert got["optimizer_state"] * mib == pytest.approx(8 * n / p, rel=0.05), (m, got)
+        assert 0 < got["gathered"] * mib <= 4 * n and got["buckets"] == 0, (m, got)
+    assert fsdp["tensor_mb"] < zero1["tensor_mb"] < ddp["tensor_mb"]
+    # Bytes per step: DDP all-reduces every gradient once; ZeRO-1 also broadcasts every
+    # parameter; FSDP gathers every parameter twice (forward, backward) and reduce-scatters
+    # every gradient; without resharding it gathers once.
+    for m, k in (("ddp", 1), ("zero1", 2), ("fsdp", 3), ("fsdp:shm", 3), ("fsdp:noreshard", 2)):
+        assert rows[m]["comm_mb"] * mib == pytest.approx(4 * k * n, rel=0.05), (m, rows[m]["comm_mb"])

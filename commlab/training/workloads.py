@@ -58,6 +58,14 @@ class TransformerStack(nn.Module):
         return self.head(self.blocks(x).mean(dim=1))
 
 
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The units FSDP shards one by one (fully_shard per block): a transformer's blocks, a
+    Sequential's layers with parameters, else the model's children with parameters."""
+    if isinstance(model, TransformerStack):
+        return list(model.blocks)
+    return [m for m in model.children() if any(True for _ in m.parameters())]
+
+
 class Checkpointed(nn.Module):
     """Gradient checkpointing around a model: activations are recomputed in backward
     (the seed's memory tip). Sequential models are cut into two segments; others are

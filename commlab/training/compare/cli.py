@@ -12,8 +12,15 @@ calls dist.all_reduce on DDP's process group, as DDP's built-in allreduce hook d
 times each bucket); `ddp:<algorithm>` (DDP through commlab's hook for that algorithm);
 `ddp:noop` (no communication: the compute-only floor); `ddp@commlab` (`ddp` with its
 process group on commlab's torch.distributed backend: the same dist.all_reduce, served
-by commlab's `auto`; CPU). Every mode trains the same model
-from the same seed on the same synthetic data.
+by commlab's `auto`; CPU). The sharded modes (CPU): `zero1` (DDP + torch's
+ZeroRedundancyOptimizer), `fsdp` (FSDP2 fully_shard per block, torch's collectives),
+`fsdp:noreshard` (reshard_after_forward=False, ZeRO-2-like), `fsdp:<algorithm>` (FSDP's
+all-gathers and reduce-scatters through commlab's families); with any of them the default
+model is the transformer and the optimizer AdamW, for every mode. Every mode trains the
+same model from the same seed on the same synthetic data.
+
+    python -m commlab.compare --device cpu --world-size 4 --model transformer --width 1024 --depth 8 \
+        --modes ddp,zero1,fsdp,fsdp:shm,fsdp:noreshard
 """
 from __future__ import annotations
 
@@ -27,8 +34,8 @@ import torch
 from commlab import algorithms
 from commlab.measure import envinfo, launch
 from commlab.measure.launch import check_gpus_per_rank
-from commlab.training import workloads
-from commlab.training.compare import report, search, workers
+from commlab.training import fsdp, workloads
+from commlab.training.compare import report, search, sharded, workers
 
 
 def default_modes(device: str) -> list[str]:
@@ -37,7 +44,15 @@ def default_modes(device: str) -> list[str]:
 
 
 def all_modes(device: str) -> list[str]:
-    return ["dp", "ddp"] + [f"ddp:{a}" for a in algorithms.for_device(device)] + ["ddp:noop"] + _backend_modes(device)
+    return ["dp", "ddp"] + [f"ddp:{a}" for a in algorithms.for_device(device)] + ["ddp:noop"] + _backend_modes(device) \
+        + _sharded_modes(device)
+
+
+def _sharded_modes(device: str) -> list[str]:
+    """ZeRO-1 and FSDP2 (CPU: FSDP's collectives through commlab serve CPU tensors)."""
+    if device != "cpu":
+        return []
+    return ["zero1", "fsdp", "fsdp:noreshard"] + [f"fsdp:{a}" for a in fsdp.algorithms()]
 
 
 def _backend_modes(device: str) -> list[str]:
@@ -59,9 +74,8 @@ def _failed(mode: str, outcomes: dict, timeout: float) -> dict:
     return {"mode": mode, "status": "oom" if oom else "error", "reason": reason}
 
 
-def run_ddp_mode(mode: str, world: int, args: dict) -> dict:
-    outcomes = launch.run_once(world, workers.ddp_rank, mode, args, timeout=args["mode_timeout"],
-                               threads=args["threads"])
+def run_ddp_mode(mode: str, world: int, args: dict, rank_fn=workers.ddp_rank) -> dict:
+    outcomes = launch.run_once(world, rank_fn, mode, args, timeout=args["mode_timeout"], threads=args["threads"])
     if any(o.status != "ok" for o in outcomes.values()):
         return _failed(mode, outcomes, args["mode_timeout"])
     res = [outcomes[r].result for r in range(world)]
@@ -75,6 +89,11 @@ def run_ddp_mode(mode: str, world: int, args: dict) -> dict:
         "grad_sync_ms": {"total": max(r["sync_total"] for r in res), "exposed": max(r["sync_exposed"] for r in res)},
         "final_loss": res[0]["loss"],
         **({"arrival_skew_ms": res[0]["arrival_skew_ms"]} if res[0].get("arrival_skew_ms") is not None else {}),
+        **({"tensor_mb": max(r["tensor_mb"] for r in res),
+            "tensor_breakdown_mb": max(res, key=lambda r: r["tensor_mb"])["tensor_breakdown_mb"]}
+           if res[0].get("tensor_mb") is not None else {}),
+        "comm_mb": max(r.get("comm_bytes", 0) for r in res) / 2**20,
+        **({"params": res[0]["params"]} if res[0].get("params") is not None else {}),
     }
 
 
@@ -95,6 +114,13 @@ def run_mode(mode: str, world: int, args: dict) -> dict:
     if mode in ("ddp", "ddp:noop") or (mode.startswith("ddp:") and mode[4:] in algorithms.for_device(device)) \
             or mode in _backend_modes(device):
         return run_ddp_mode(mode, world, args)
+    if mode in _sharded_modes(device):
+        unsupported = [f for f, on in (("--amp", args["amp"]), ("--checkpoint", args["checkpoint"]),
+                                       ("--accum-steps", args["accum_steps"] > 1)) if on]
+        if unsupported:
+            return {"mode": mode, "status": "unavailable",
+                    "reason": f"the sharded modes do not take {', '.join(unsupported)} yet"}
+        return run_ddp_mode(mode, world, args, sharded.sharded_rank)
     return {"mode": mode, "status": "unavailable",
             "reason": f"no such mode for {device} (modes: {', '.join(all_modes(device))})"}
 
@@ -161,6 +187,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--optimizer", choices=["sgd", "adamw"], default=None,
+                    help="every mode's optimizer (default: adamw when a sharded mode (zero1, fsdp*) is compared, "
+                         "where optimizer state is what sharding saves; else sgd)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--timeout", type=float, default=120.0, help="process-group timeout (s)")
     ap.add_argument("--mode-timeout", type=float, default=300.0, help="wall-clock limit per mode (s)")
@@ -184,8 +213,12 @@ def main(argv=None) -> int:
     if not caps or min(caps) <= 0:
         ap.error("--bucket-cap-mb must be positive")
     args["bucket_cap_mb"] = caps[0]
+    modes = all_modes(a.device) if a.modes == "all" else (a.modes.split(",") if a.modes else default_modes(a.device))
+    any_sharded = any(sharded.is_sharded(m) for m in modes)
     if a.model is None:
-        args["model"] = "resnet50" if a.device == "cuda" else "mlp"
+        args["model"] = "resnet50" if a.device == "cuda" else ("transformer" if any_sharded else "mlp")
+    if a.optimizer is None:
+        args["optimizer"] = "adamw" if any_sharded else "sgd"
     try:
         args["input_shape"] = workloads.parse_shape(a.input_shape)
         with torch.device("meta"):  # a wrong model fails here, once, not on every rank
@@ -197,13 +230,12 @@ def main(argv=None) -> int:
         problem = check_gpus_per_rank(world, "nccl", torch.cuda.device_count())
         if problem:
             ap.error(problem + " (or pass --share-gpu for a functional check over gloo)")
-    modes = all_modes(a.device) if a.modes == "all" else (a.modes.split(",") if a.modes else default_modes(a.device))
     if a.predict == "this-host" and "ddp:noop" not in modes:
         modes.append("ddp:noop")  # this host's compute is measured, not read off a datasheet
     env = envinfo.collect(torch.device("cpu"))
     env.update(world_size=world, device=a.device, model=args["model"], batch_size=a.batch_size,
                bucket_cap_mb=caps if len(caps) > 1 else caps[0], mem_limit_mb=a.mem_limit_mb, amp=a.amp,
-               checkpoint=a.checkpoint, accum_steps=a.accum_steps, share_gpu=a.share_gpu)
+               checkpoint=a.checkpoint, accum_steps=a.accum_steps, share_gpu=a.share_gpu, optimizer=args["optimizer"])
     if a.share_gpu:
         env["note"] = "--share-gpu: all DDP ranks on one GPU over gloo, a functional check, not a speed figure"
     results = []

@@ -20,6 +20,14 @@ DEFINITIONS = """\
                iteration under torch.profiler, the busiest GPU's time in NCCL kernels
                and peer copies (replicate, gradient reduce-add, scatter, gather); all
                of it exposed, as DP communicates on the compute stream
+  tensor bytes the peak, over one extra step sampled at every leaf module's forward,
+               every gradient's accumulation and after the optimizer step, of the
+               bytes of unique storages a rank holds as parameters (sharded, or
+               gathered while an FSDP unit computes), gradients, optimizer state and
+               DDP's buckets (CPU; activations not counted); largest rank
+  comm / step  bytes of the step's collective buffers, nccl-tests' sizes: DDP's
+               all-reduced buckets, ZeRO-1's buckets plus its parameter broadcasts,
+               FSDP's gathered outputs and reduce-scattered inputs
   final loss   mean over ranks of the last step's loss
 """
 
@@ -70,6 +78,10 @@ def table(doc: dict) -> str:
     row(UTILIZATION_ROW[doc["env"].get("device", "cpu")], lambda m: fmt_list(m["util_percent"]))
     row("grad sync total (ms)", lambda m: "-" if m["grad_sync_ms"]["total"] is None else f"{m['grad_sync_ms']['total']:.1f}")
     row("grad sync exposed (ms)", lambda m: "-" if m["grad_sync_ms"]["exposed"] is None else f"{m['grad_sync_ms']['exposed']:.1f}")
+    if any(m.get("tensor_mb") is not None for m in ok):
+        row("tensor bytes peak (MB): params+grads+optimizer+buckets",
+            lambda m: "-" if m.get("tensor_mb") is None else f"{m['tensor_mb']:.1f}")
+        row("comm per step (MB)", lambda m: "-" if m.get("comm_mb") is None else f"{m['comm_mb']:.1f}")
     row("final loss", lambda m: "-" if m.get("final_loss") is None else f"{m['final_loss']:.5f}")
     if any("max_batch" in m for m in modes):
         rows.append("| max batch before OOM | " + " | ".join(

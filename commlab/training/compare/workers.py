@@ -94,7 +94,9 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     else:
         state = hooks.CommState(mode.split(":", 1)[1])
         hooks.register(ddp, state)
-    opt = torch.optim.SGD(ddp.parameters(), lr=args["lr"])
+    from commlab.training.compare.sharded import optimizer
+
+    opt = optimizer(ddp.parameters(), args)
     per_rank = max(args["batch_size"] // world, 1)
     accum = args["accum_steps"]
     micro = max(per_rank // accum, 1)
@@ -152,6 +154,8 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     dist.all_reduce(mean_loss)
     st = state.stats() if state is not None else {"mean_total_comm_ms": 0.0, "mean_exposed_ms": 0.0}
+    per_step = st.get("per_iteration") or [{"bytes": 0}]
+    tensors, params = _tensor_bytes_and_params(ddp, opt, lambda: step(args["warmup"] + args["iters"]), args)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; the true peak, mid-step too
     mem = (torch.cuda.max_memory_allocated(device) if cuda else peak_rss) / 2**20
     if not cuda and args["mem_limit_mb"]:
@@ -171,7 +175,29 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         skew = arrival_skew_ms(logs)
     return {"times": slowest.cpu().tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": mem,
             "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"],
-            "arrival_skew_ms": skew}
+            "arrival_skew_ms": skew, "comm_bytes": per_step[-1]["bytes"], **tensors, "params": params}
+
+
+def _tensor_bytes_and_params(ddp, opt, one_step, args: dict) -> tuple[dict, list | None]:
+    """One more step (after the timed ones) with the tensor bytes sampled throughout (see
+    sharded.TensorBytes; DDP's buckets from its reducer), and the final parameters when
+    asked for."""
+    from commlab.training.compare.sharded import TensorBytes
+
+    if next(ddp.parameters()).is_cuda:
+        return {}, None  # on GPU the allocator's peak is the measure
+    buckets = sum(b.buffer().numel() * b.buffer().element_size() for b in ddp.reducer._get_zeros_like_grad_buckets())
+    counter = TensorBytes(ddp.module, opt, buckets)
+    handles = counter.attach()
+    counter.sample()
+    one_step()
+    counter.sample()
+    for h in handles:
+        h.remove()
+    params = torch.cat([p.detach().reshape(-1).double() for p in ddp.module.parameters()]).tolist() \
+        if args.get("return_params") else None
+    return {"tensor_mb": counter.peak_total / 2**20,
+            "tensor_breakdown_mb": {k: v / 2**20 for k, v in counter.at_peak.items()}}, params
 
 
 def dp_process(rank: int, world: int, args: dict) -> dict:

@@ -1,0 +1,216 @@
+"""The sharded compare modes, one rank each (run by the launcher in fresh processes):
+
+- `zero1`: DDP's default reduction (timed as in `ddp`) with torch's
+  ZeroRedundancyOptimizer: each rank keeps the optimizer state of 1/p of the
+  parameters and broadcasts its updated shard after every step;
+- `fsdp`: FSDP2's `fully_shard` on every block and the root, torch's own collectives
+  (timed); `fsdp:noreshard` the same with reshard_after_forward=False (ZeRO-2-like:
+  parameters stay gathered from forward to backward); `fsdp:<algorithm>` FSDP's
+  all-gathers and reduce-scatters through commlab's families (commlab.training.fsdp).
+
+Beside the process's peak RSS (on CPU the interpreter's ~700 MB hides what sharding
+saves), each rank reports the peak of the tensor bytes it holds — parameters (its own,
+or its shards), FSDP's gathered parameters while a unit is unsharded, gradients,
+optimizer state and DDP's buckets —
+counted from the live tensors (unique storages) at every leaf module's forward, every
+gradient's accumulation and after the optimizer step, in one extra step after the
+timed ones."""
+from __future__ import annotations
+
+import datetime
+import resource
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from commlab.training import fsdp, hooks, workloads
+from commlab.training.compare.workers import timed_default_hook
+
+
+def is_sharded(mode: str) -> bool:
+    return mode == "zero1" or mode == "fsdp" or mode.startswith("fsdp:")
+
+
+def optimizer(params, args: dict) -> torch.optim.Optimizer:
+    if args.get("optimizer", "sgd") == "adamw":
+        return torch.optim.AdamW(params, lr=args["lr"])
+    return torch.optim.SGD(params, lr=args["lr"])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _gathered(model: torch.nn.Module):
+    """FSDP2's unsharded parameters (its FSDPParam._unsharded_param; their storage is
+    freed, size 0, while the unit is resharded): private, so looked up with care."""
+    for m in model.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        group = getattr(get_state(), "_fsdp_param_group", None) if get_state else None
+        for fp in getattr(group, "fsdp_params", None) or []:
+            t = getattr(fp, "_unsharded_param", None)
+            if isinstance(t, torch.Tensor):
+                yield t
+
+
+class TensorBytes:
+    """The peak, over the samples taken, of the bytes of unique storages this rank holds
+    in each category (a storage counted once, in the first category that holds it)."""
+
+    CATEGORIES = ("parameters", "gathered", "gradients", "optimizer_state", "buckets")
+
+    def __init__(self, model: torch.nn.Module, opt, buckets: int = 0):
+        self.model, self.opt, self.buckets = model, opt, buckets
+        self.peak_total, self.at_peak = 0, {}
+
+    def _optimizer_state(self):
+        inner = getattr(self.opt, "optim", self.opt)  # ZeroRedundancyOptimizer keeps its shard's optimizer in .optim
+        for state in inner.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    yield _local(v)
+
+    def sample(self, *_args) -> None:
+        seen: set[int] = set()
+        got = dict.fromkeys(self.CATEGORIES, 0)
+
+        def count(category: str, t) -> None:
+            if t is None:
+                return
+            t = _local(t)
+            s = t.untyped_storage()
+            if s.data_ptr() in seen or s.nbytes() == 0:
+                return
+            seen.add(s.data_ptr())
+            got[category] += s.nbytes()
+
+        # Registered now (FSDP's sharded DTensors, or the gathered tensors while a unit
+        # computes) and what the optimizer steps (the shards, registered or not).
+        params = list(self.model.parameters()) + [p for g in self.opt.param_groups for p in g["params"]]
+        gathered = list(_gathered(self.model))
+        for t in gathered:  # first: while a unit is unsharded FSDP registers these as its parameters
+            count("gathered", t)
+        for p in params:
+            count("parameters", p)
+        for p in params + gathered:
+            count("gradients", p.grad)
+        for t in self._optimizer_state():
+            count("optimizer_state", t)
+        got["buckets"] = self.buckets
+        total = sum(got.values())
+        if total > self.peak_total:
+            self.peak_total, self.at_peak = total, got
+
+    def attach(self) -> list:
+        """Samples at every leaf module's forward and every gradient's accumulation."""
+        handles = [m.register_forward_hook(self.sample) for m in self.model.modules()
+                   if not list(m.children()) and list(m.parameters(recurse=False))]
+        handles += [p.register_post_accumulate_grad_hook(self.sample) for p in self.model.parameters()
+                    if p.requires_grad]
+        return handles
+
+
+def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
+    """One rank of a sharded mode; returns its measurements (as workers.ddp_rank does)."""
+    backend = "gloo"
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args["timeout"]))
+    torch.manual_seed(0)
+    wl = workloads.build(args["model"], **workloads.options(args))
+    model = wl.model
+    comm = fsdp.CommStats()
+    buckets_state = None
+    zero_sync = {"s": 0.0, "bytes": 0, "steps": 0}
+    if mode == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        net = DDP(model, bucket_cap_mb=args["bucket_cap_mb"])
+        buckets_state = hooks.BucketStats()
+        net.register_comm_hook(buckets_state, timed_default_hook)
+        kind = torch.optim.AdamW if args.get("optimizer", "sgd") == "adamw" else torch.optim.SGD
+        opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=kind, lr=args["lr"])
+        sync = opt._sync_params  # every rank's updated shard to every rank: ZeRO-1's own communication
+
+        def timed_sync():
+            t0 = time.perf_counter()
+            sync()
+            zero_sync["s"] += time.perf_counter() - t0
+            zero_sync["bytes"] += sum(p.numel() * p.element_size() for p in net.parameters())
+            zero_sync["steps"] += 1
+        opt._sync_params = timed_sync
+    else:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        reshard = mode != "fsdp:noreshard"
+        for block in workloads.blocks(model):
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        algorithm = mode.split(":", 1)[1] if mode.startswith("fsdp:") and mode != "fsdp:noreshard" else None
+        fsdp.use(model, algorithm, comm)
+        net = model
+        opt = optimizer(model.parameters(), args)
+    per_rank = max(args["batch_size"] // world, 1)
+    proc = psutil.Process()
+
+    def step(i):
+        comm.step()
+        opt.zero_grad(set_to_none=True)
+        x, y = wl.make_batch(per_rank, seed=i * 1000 + rank)
+        loss = wl.loss(net(x).float(), y)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    for i in range(args["warmup"]):
+        step(i)
+    comm.reset()
+    if buckets_state is not None:
+        buckets_state.reset()
+    zero_sync.update(s=0.0, bytes=0, steps=0)
+    times, loss = [], 0.0
+    cpu0, wall0 = sum(proc.cpu_times()[:2]), time.perf_counter()
+    for i in range(args["warmup"], args["warmup"] + args["iters"]):
+        t0 = time.perf_counter()
+        loss = step(i)
+        times.append(time.perf_counter() - t0)
+    util = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - wall0) * 100
+    # One more step, untimed, with the tensor bytes sampled throughout.
+    bucket_bytes = 0
+    if mode == "zero1":
+        bucket_bytes = sum(b.buffer().numel() * b.buffer().element_size()
+                           for b in net.reducer._get_zeros_like_grad_buckets())
+    counter = TensorBytes(model, opt, bucket_bytes)
+    handles = counter.attach()
+    counter.sample()
+    step(args["warmup"] + args["iters"])
+    counter.sample()
+    for h in handles:
+        h.remove()
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    mean_loss = torch.tensor([loss], dtype=torch.float64)
+    dist.all_reduce(mean_loss)
+    if mode == "zero1":
+        st = buckets_state.stats()
+        n = max(zero_sync["steps"], 1)
+        total = st["mean_total_comm_ms"] + zero_sync["s"] * 1e3 / n
+        exposed = st["mean_exposed_ms"] + zero_sync["s"] * 1e3 / n  # the broadcasts block the step
+        per_step = (st["per_iteration"][-1]["bytes"] if st["per_iteration"] else 0) + zero_sync["bytes"] / n
+    else:
+        st = comm.summary()
+        total, exposed, per_step = st["mean_total_comm_ms"], st["mean_exposed_ms"], st["mean_bytes"]
+    params = None
+    if args.get("return_params"):
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+        params = torch.cat([t.reshape(-1).double() for t in full]).tolist()
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"times": slowest.tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": peak_rss / 2**20,
+            "util": util, "sync_total": total, "sync_exposed": exposed, "comm_bytes": per_step,
+            "tensor_mb": counter.peak_total / 2**20, "tensor_breakdown_mb": {k: v / 2**20 for k, v in
+                                                                              counter.at_peak.items()},
+            "params": params}

@@ -1,0 +1,157 @@
+"""FSDP2 communication through commlab: the all-gather and reduce-scatter families
+plugged into `fully_shard` the way commlab.hooks plugs all-reduce into DDP.
+
+    from torch.distributed.fsdp import fully_shard
+    stats = commlab.training.fsdp.CommStats()
+    for block in model.blocks: fully_shard(block)
+    fully_shard(model)
+    commlab.training.fsdp.use(model, "shm", stats)   # every FSDP unit's gathers and reduce-scatters
+    ...
+    stats.summary()                                   # per step: calls, bytes, total and exposed time
+
+`use(model, None, stats)` keeps torch's own collectives (dist.all_gather_into_tensor,
+dist.reduce_scatter_tensor on FSDP's group) and only times them. Every call runs to
+completion before it returns (FSDP2 on CPU issues them blocking, without streams), so
+its whole time is exposed; on GPU FSDP's async gathers would be waited on as torch's
+Work, which commlab's handle is not, so this module serves CPU tensors and refuses others.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from commlab import algorithms as registries
+from commlab.api.all_gather import all_gather
+from commlab.api.reduce_scatter import reduce_scatter
+from commlab.core.errors import UnsupportedError
+
+
+@dataclass
+class _Step:
+    calls: int = 0
+    bytes: int = 0  # nccl-tests' sizes: the gathered output, the reduce-scattered input
+    comm_s: float = 0.0
+    by_kind: dict = field(default_factory=lambda: {"all_gather": 0, "reduce_scatter": 0})
+
+
+class CommStats:
+    """What FSDP's collectives cost per training step; the caller marks steps with
+    `step()` (compare does, before each one)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._steps: list[_Step] = []
+            self._current = _Step()
+
+    def step(self) -> None:
+        """A training step starts: the previous one's calls are booked."""
+        with self._lock:
+            if self._current.calls:
+                self._steps.append(self._current)
+            self._current = _Step()
+
+    def add(self, kind: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            c = self._current
+            c.calls += 1
+            c.bytes += nbytes
+            c.comm_s += seconds
+            c.by_kind[kind] += 1
+
+    def summary(self) -> dict:
+        """Means over the finished steps (blocking calls: exposed = total)."""
+        self.step()
+        with self._lock:
+            steps = list(self._steps)
+        n = len(steps)
+        mean = (lambda f: sum(f(s) for s in steps) / n) if n else (lambda f: 0.0)
+        total = mean(lambda s: s.comm_s * 1e3)
+        return {"steps": n, "mean_total_comm_ms": total, "mean_exposed_ms": total,
+                "mean_bytes": mean(lambda s: s.bytes), "mean_calls": mean(lambda s: s.calls),
+                "mean_all_gathers": mean(lambda s: s.by_kind["all_gather"]),
+                "mean_reduce_scatters": mean(lambda s: s.by_kind["reduce_scatter"])}
+
+
+def _cpu(*tensors) -> None:
+    for t in tensors:
+        if not t.is_cpu:
+            raise UnsupportedError(f"commlab.training.fsdp serves CPU tensors (FSDP2 on GPU waits on torch's Work), "
+                                   f"got {t.device}")
+
+
+class _Alloc:
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class Gather(_Alloc, AllGather):
+    """FSDP2's all-gather through commlab's all-gather `algorithm` (None: torch's own)."""
+
+    def __init__(self, algorithm: str | None, stats: CommStats | None = None):
+        self.algorithm, self.stats = algorithm, stats
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        _cpu(output_tensor, input_tensor)
+        t0 = time.perf_counter()
+        if self.algorithm is None:
+            dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
+        else:
+            all_gather(output_tensor, input_tensor, group=group, algorithm=self.algorithm)
+        if self.stats is not None:
+            self.stats.add("all_gather", output_tensor.numel() * output_tensor.element_size(), time.perf_counter() - t0)
+        return None  # done: FSDP goes on as after a blocking call
+
+
+class Scatter(_Alloc, ReduceScatter):
+    """FSDP2's reduce-scatter through commlab's reduce-scatter `algorithm` (None: torch's own)."""
+
+    def __init__(self, algorithm: str | None, stats: CommStats | None = None):
+        self.algorithm, self.stats = algorithm, stats
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        _cpu(output_tensor, input_tensor)
+        t0 = time.perf_counter()
+        if self.algorithm is None:
+            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+        else:
+            reduce_scatter(output_tensor, input_tensor, op, group=group, algorithm=self.algorithm)
+        if self.stats is not None:
+            self.stats.add("reduce_scatter", input_tensor.numel() * input_tensor.element_size(),
+                           time.perf_counter() - t0)
+        return None
+
+
+def use(model: torch.nn.Module, algorithm: str | None, stats: CommStats | None = None) -> int:
+    """Every FSDP unit of `model` gathers and reduce-scatters through `algorithm` (a name
+    both families register, e.g. shm, ring, direct, builtin, auto; None: torch's own,
+    timed). Returns the number of units."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if algorithm is not None:
+        for collective in ("all_gather", "reduce_scatter"):
+            registries.registry(collective).get(algorithm)  # unknown: UnsupportedError naming the family
+    gather, scatter = Gather(algorithm, stats), Scatter(algorithm, stats)
+    units = 0
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(gather)
+            m.set_custom_reduce_scatter(scatter)
+            units += 1
+    if not units:
+        raise UnsupportedError("commlab.training.fsdp.use: the model has no fully_shard units")
+    return units
+
+
+def algorithms() -> list[str]:
+    """The names both families register for CPU: what `fsdp:<algorithm>` takes."""
+    gathers = registries.registry("all_gather").for_device("cpu")
+    return [a for a in registries.registry("reduce_scatter").for_device("cpu") if a in gathers]
