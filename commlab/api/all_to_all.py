@@ -2,6 +2,8 @@
 all-to-all algorithm."""
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from commlab.algorithms import all_to_all as family_
@@ -49,9 +51,12 @@ def _per_rank(plan, t: torch.Tensor, splits, role: str, p: int) -> list[int]:
         if rows % p:
             plan.refuse(f"{role}'s dim 0 ({rows} rows) does not divide evenly among {p} ranks")
         return [rows // p * row] * p
-    sizes = list(splits)
-    if len(sizes) != p or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes):
-        plan.refuse(f"{role}_split_sizes must be {p} non-negative ints (one per rank), got {sizes}")
+    try:  # ints of any kind (numpy's, 0-dim tensors' .item() aside), never bools or floats
+        sizes = [operator.index(s) for s in splits if not isinstance(s, bool)]
+    except TypeError:
+        sizes = []
+    if len(sizes) != p or len(sizes) != len(list(splits)) or min(sizes) < 0:
+        plan.refuse(f"{role}_split_sizes must be {p} non-negative ints (one per rank), got {list(splits)}")
     if sum(sizes) != rows:
         plan.refuse(f"{role}_split_sizes add up to {sum(sizes)} rows, the {role} has {rows}")
     return [s * row for s in sizes]
