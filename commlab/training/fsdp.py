@@ -9,8 +9,8 @@ plugged into `fully_shard` the way commlab.hooks plugs all-reduce into DDP.
     ...
     stats.summary()                                   # per step: calls, bytes, total and exposed time
 
-`use(model, None, stats)` keeps torch's own collectives (dist.all_gather_into_tensor,
-dist.reduce_scatter_tensor on FSDP's group) and only times them. Every call runs to
+`use(model, None, stats)` keeps torch's own collectives (dist.all_gather_single and
+dist.reduce_scatter_single on FSDP's group, FSDP2's defaults) and only times them. Every call runs to
 completion before it returns (FSDP2 on CPU issues them blocking, without streams), so
 its whole time is exposed; on GPU FSDP's async gathers would be waited on as torch's
 Work, which commlab's handle is not, so this module serves CPU tensors and refuses others.
@@ -103,7 +103,7 @@ class Gather(_Alloc, AllGather):
         _cpu(output_tensor, input_tensor)
         t0 = time.perf_counter()
         if self.algorithm is None:
-            dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
+            dist.all_gather_single(output_tensor, input_tensor, group=group)  # FSDP2's own default call
         else:
             all_gather(output_tensor, input_tensor, group=group, algorithm=self.algorithm)
         if self.stats is not None:
@@ -121,7 +121,7 @@ class Scatter(_Alloc, ReduceScatter):
         _cpu(output_tensor, input_tensor)
         t0 = time.perf_counter()
         if self.algorithm is None:
-            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            dist.reduce_scatter_single(output=output_tensor, input=input_tensor, op=op, group=group)
         else:
             reduce_scatter(output_tensor, input_tensor, op, group=group, algorithm=self.algorithm)
         if self.stats is not None:
