@@ -253,9 +253,8 @@ class CommlabBackend(_C10dBackend):
             return _Work(fut, result)
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=_serve, args=(self._jobs,), name="commlab-backend",
-                                                daemon=True)
-                self._thread.start()
+                jobs = self._jobs  # not self: the thread must not hold the backend
+                self._thread = lanes.start_daemon(_serve, (jobs,), "commlab-backend", lambda: jobs.put(None))
         self._pending.add(1)
         # What goes on the queue must not hold the backend: the thread would then free it
         # (and its gloo groups) after the job, and at interpreter exit that aborts the

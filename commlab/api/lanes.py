@@ -9,8 +9,10 @@ run at once, and an inline call admitted first finishes first.
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -19,6 +21,42 @@ from commlab.core import groups
 from commlab.core.errors import CommlabError
 
 _running = threading.local()
+
+# commlab's daemon threads (lanes, the backend's), each with how to stop it. At exit they
+# are stopped and joined while the interpreter still runs: a daemon thread completing a
+# Future (its callbacks release the GIL) that wakes once finalization began is ended by
+# CPython with pthread_exit, whose unwinding through torch's C++ frames aborted the
+# process ("terminate called without an active exception", a training script on the
+# commlab backend 1 time in 8).
+_daemons: "weakref.WeakKeyDictionary[threading.Thread, Callable[[], None]]" = weakref.WeakKeyDictionary()
+_daemons_lock = threading.Lock()
+_join_registered = False
+JOIN_AT_EXIT_S = 5.0  # a thread still waiting on a peer by then is left to the process's end
+
+
+def start_daemon(target: Callable, args: tuple, name: str, stop: Callable[[], None]) -> threading.Thread:
+    """A daemon thread of commlab's, stopped (`stop()`) and joined at interpreter exit."""
+    global _join_registered
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    with _daemons_lock:
+        if not _join_registered:  # at the first thread: atexit runs it before the handlers registered earlier
+            atexit.register(_join_daemons)
+            _join_registered = True
+        _daemons[thread] = stop
+    thread.start()
+    return thread
+
+
+def _join_daemons() -> None:
+    with _daemons_lock:
+        live = list(_daemons.items())
+        _daemons.clear()
+    for thread, stop in live:
+        if thread.is_alive():
+            stop()
+    for thread, _ in live:
+        if thread.is_alive() and thread is not threading.current_thread():
+            thread.join(JOIN_AT_EXIT_S)
 
 
 def inside() -> bool:
@@ -150,8 +188,7 @@ class _Lane:
         with self._lock:
             self._pending += 1
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                self._thread.start()
+                self._thread = start_daemon(self._loop, (), self._name, self.stop)
             self._q.put((job, work, stream))
         if async_op:
             return work
