@@ -116,6 +116,56 @@ def assert_drill_named_rank_1(algorithm: str, fault: str, collective: str) -> No
         assert "rank 1" in o["msg"] and o["after"] < 2.0, (r, o)
 
 
+def on_fresh_group(p: int, call) -> tuple[str, str, float]:
+    """call(group) on a fresh group of the p ranks (a failed group stays failed: not the
+    pool's default one): (the commlab error's type or "returned", its text, seconds)."""
+    import time
+
+    import torch.distributed as dist
+
+    from commlab.core.errors import CommlabError
+
+    g = dist.new_group(list(range(p)))
+    t0 = time.monotonic()
+    try:
+        call(g)
+    except CommlabError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    finally:
+        dist.destroy_process_group(g)
+    return "returned", "", time.monotonic() - t0
+
+
+class emulated_host:
+    """`with emulated_host(h) as group:` this rank on host h (COMMLAB_HOST_ID) in a fresh
+    group (host ids are gathered once per group), destroyed on leaving."""
+
+    def __init__(self, host):
+        self.host = host
+
+    def __enter__(self):
+        import os
+
+        import torch.distributed as dist
+
+        os.environ["COMMLAB_HOST_ID"] = f"h{self.host}"
+        self.group = dist.new_group()
+        return self.group
+
+    def __exit__(self, *exc):
+        import os
+
+        import torch.distributed as dist
+
+        dist.destroy_process_group(self.group)
+        del os.environ["COMMLAB_HOST_ID"]
+
+
+def picked(plan, algorithm: str) -> str:
+    """The algorithm a family's plan runs: auto's pick, else the one named."""
+    return plan.ctx.transport.name if algorithm == "auto" else algorithm
+
+
 def assert_refusal_named(got: list, says: str) -> None:
     """Rank 1 refused its own arguments: it raised UnsupportedError saying `says`, and
     its peers raised naming it, well before the group's timeout."""

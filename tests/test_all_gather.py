@@ -3,13 +3,20 @@ registered algorithm on 1-8 ranks, every dtype, sizes not divisible by anything,
 flat and stacked outputs, strided inputs and outputs, the in-place convention, async,
 sub-groups; a mismatch is the same CollectiveMismatchError on every rank, a rank that
 refuses its own arguments makes its peers raise naming it."""
-import time
 import zlib
 
 import pytest
 import torch
 import torch.distributed as dist
-from cases import HOST_LAYOUTS, assert_drill_named_rank_1, assert_refusal_named, first_two_quick
+from cases import (
+    HOST_LAYOUTS,
+    assert_drill_named_rank_1,
+    assert_refusal_named,
+    emulated_host,
+    first_two_quick,
+    on_fresh_group,
+    picked,
+)
 
 import commlab
 from commlab.algorithms import all_gather as family
@@ -165,16 +172,8 @@ def test_a_mismatch_is_the_same_error_on_every_rank(ranks, algorithm, what):
 
 
 def wrong_output(rank, p, algorithm):
-    g = dist.new_group(list(range(p)))
-    t0 = time.monotonic()
     out = torch.empty(p * 8 + (1 if rank == 1 else 0))
-    try:
-        commlab.all_gather(out, torch.ones(8), group=g, algorithm=algorithm)
-    except commlab.CommlabError as e:
-        return type(e).__name__, str(e), time.monotonic() - t0
-    finally:
-        dist.destroy_process_group(g)
-    return "returned", "", time.monotonic() - t0
+    return on_fresh_group(p, lambda g: commlab.all_gather(out, torch.ones(8), group=g, algorithm=algorithm))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -200,11 +199,7 @@ def test_a_frozen_rank_is_named(monkeypatch):
 
 
 def across_hosts(rank, p, hosts, algorithm):
-    import os
-
-    os.environ["COMMLAB_HOST_ID"] = f"h{hosts[rank]}"
-    try:
-        group = dist.new_group()  # a fresh group: host ids are gathered once per group
+    with emulated_host(hosts[rank]) as group:
         bad = []
         for n in (1, 5, 4099):  # 4099 float64: several shm pieces of the tests' 16 KiB segments
             for dtype in (torch.float64, torch.int8):
@@ -213,12 +208,8 @@ def across_hosts(rank, p, hosts, algorithm):
                 commlab.all_gather(out, block(rank, n, dtype), group=group, algorithm=algorithm)
                 if not torch.equal(out, want):
                     bad.append(f"{dtype} n={n}")
-        plan = commlab.api.all_gather._plans.get((algorithm, id(group), torch.int8, True, False))
-        picked = plan.ctx.transport.name if algorithm == "auto" else algorithm
-        dist.destroy_process_group(group)
-        return bad, picked
-    finally:
-        del os.environ["COMMLAB_HOST_ID"]
+        return bad, picked(commlab.api.all_gather._plans.get((algorithm, id(group), torch.int8, True, False)),
+                           algorithm)
 
 
 @pytest.mark.parametrize("name", list(HOST_LAYOUTS))

@@ -5,13 +5,20 @@ async, sub-groups; every block lands where torch's would; splits that disagree, 
 dtype, algorithm or collective mismatch are the same CollectiveMismatchError on every
 rank before any byte lands, a rank that refuses its own arguments makes its peers raise
 naming it, a failed rank makes every peer raise within two seconds."""
-import time
 import zlib
 
 import pytest
 import torch
 import torch.distributed as dist
-from cases import HOST_LAYOUTS, assert_drill_named_rank_1, assert_refusal_named, first_two_quick
+from cases import (
+    HOST_LAYOUTS,
+    assert_drill_named_rank_1,
+    assert_refusal_named,
+    emulated_host,
+    first_two_quick,
+    on_fresh_group,
+    picked,
+)
 
 import commlab
 from commlab.algorithms import all_to_all as family
@@ -179,16 +186,9 @@ def test_a_mismatch_is_the_same_error_on_every_rank(ranks, algorithm, what):
 
 
 def bad_splits(rank, p, algorithm):
-    g = dist.new_group(list(range(p)))
-    t0 = time.monotonic()
-    try:
-        splits = [1, 1] if rank == 1 else [1] * p  # rank 1 gives two splits for three ranks
-        commlab.all_to_all(torch.empty(p), torch.ones(p), [1] * p, splits, group=g, algorithm=algorithm)
-    except commlab.CommlabError as e:
-        return type(e).__name__, str(e), time.monotonic() - t0
-    finally:
-        dist.destroy_process_group(g)
-    return "returned", "", time.monotonic() - t0
+    splits = [1, 1] if rank == 1 else [1] * p  # rank 1 gives two splits for three ranks
+    return on_fresh_group(p, lambda g: commlab.all_to_all(torch.empty(p), torch.ones(p), [1] * p, splits, group=g,
+                                                          algorithm=algorithm))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -229,22 +229,14 @@ def test_arguments_a_rank_refuses_on_its_own(ranks):
 
 
 def across_hosts(rank, p, hosts, algorithm):
-    import os
-
-    os.environ["COMMLAB_HOST_ID"] = f"h{hosts[rank]}"
-    try:
-        group = dist.new_group()  # a fresh group: host ids are gathered once per group
+    with emulated_host(hosts[rank]) as group:
         bad = []
         for n in (1, 3000):  # int8 blocks below and above auto's switch
             for kind in ("even", "uneven"):
                 if not exchange(rank, p, splits_of(kind, p, n), 1, torch.int8, algorithm, group=group):
                     bad.append(f"{kind} n={n}")
-        plan = commlab.api.all_to_all._plans.get((algorithm, id(group), torch.int8, True, False))
-        picked = plan.ctx.transport.name if algorithm == "auto" else algorithm
-        dist.destroy_process_group(group)
-        return bad, picked
-    finally:
-        del os.environ["COMMLAB_HOST_ID"]
+        return bad, picked(commlab.api.all_to_all._plans.get((algorithm, id(group), torch.int8, True, False)),
+                           algorithm)
 
 
 @pytest.mark.parametrize("name", list(HOST_LAYOUTS))

@@ -4,13 +4,20 @@ strided and 0-dim tensors, async, sub-groups (src a global rank, or group_src); 
 rank ends with the root's bits; a mismatch (size, dtype, root, algorithm, collective) is
 the same CollectiveMismatchError on every rank, a rank that refuses its own arguments
 makes its peers raise naming it, a failed rank makes every peer raise within two seconds."""
-import time
 import zlib
 
 import pytest
 import torch
 import torch.distributed as dist
-from cases import HOST_LAYOUTS, assert_drill_named_rank_1, assert_refusal_named, first_two_quick
+from cases import (
+    HOST_LAYOUTS,
+    assert_drill_named_rank_1,
+    assert_refusal_named,
+    emulated_host,
+    first_two_quick,
+    on_fresh_group,
+    picked,
+)
 
 import commlab
 from commlab.algorithms import broadcast as family
@@ -138,15 +145,8 @@ def test_a_mismatch_is_the_same_error_on_every_rank(ranks, algorithm, what):
 
 
 def wrong_root(rank, p, algorithm):
-    g = dist.new_group(list(range(p)))
-    t0 = time.monotonic()
-    try:
-        commlab.broadcast(torch.ones(8), src=7 if rank == 1 else 0, group=g, algorithm=algorithm)
-    except commlab.CommlabError as e:
-        return type(e).__name__, str(e), time.monotonic() - t0
-    finally:
-        dist.destroy_process_group(g)
-    return "returned", "", time.monotonic() - t0
+    src = 7 if rank == 1 else 0
+    return on_fresh_group(p, lambda g: commlab.broadcast(torch.ones(8), src=src, group=g, algorithm=algorithm))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -167,11 +167,7 @@ def test_unsupported_calls_are_clear():
 
 
 def across_hosts(rank, p, hosts, algorithm):
-    import os
-
-    os.environ["COMMLAB_HOST_ID"] = f"h{hosts[rank]}"
-    try:
-        group = dist.new_group()  # a fresh group: host ids are gathered once per group
+    with emulated_host(hosts[rank]) as group:
         bad = []
         for n in (1, 5, 70_001):  # 70,001 int8 / float64: below and above auto's 512 KiB switch
             for dtype in (torch.float64, torch.int8):
@@ -179,12 +175,8 @@ def across_hosts(rank, p, hosts, algorithm):
                 commlab.broadcast(t, src=1, group=group, algorithm=algorithm)
                 if not torch.equal(t, message(1, n, dtype, 1)):
                     bad.append(f"{dtype} n={n}")
-        plan = commlab.api.broadcast._plans.get((algorithm, id(group), torch.int8, True, False))
-        picked = plan.ctx.transport.name if algorithm == "auto" else algorithm
-        dist.destroy_process_group(group)
-        return bad, picked
-    finally:
-        del os.environ["COMMLAB_HOST_ID"]
+        return bad, picked(commlab.api.broadcast._plans.get((algorithm, id(group), torch.int8, True, False)),
+                           algorithm)
 
 
 @pytest.mark.parametrize("name", list(HOST_LAYOUTS))

@@ -5,13 +5,20 @@ convention, async, sub-groups; results are exact (integer-valued data) and the s
 whatever the timing; a mismatch is the same CollectiveMismatchError on every rank, a rank
 that refuses its own arguments makes its peers raise naming it, a failed rank makes every
 peer raise within two seconds."""
-import time
 import zlib
 
 import pytest
 import torch
 import torch.distributed as dist
-from cases import HOST_LAYOUTS, assert_drill_named_rank_1, assert_refusal_named, first_two_quick
+from cases import (
+    HOST_LAYOUTS,
+    assert_drill_named_rank_1,
+    assert_refusal_named,
+    emulated_host,
+    first_two_quick,
+    on_fresh_group,
+    picked,
+)
 
 import commlab
 from commlab.algorithms import reduce_scatter as family
@@ -194,16 +201,8 @@ def test_a_mismatch_is_the_same_error_on_every_rank(ranks, algorithm, what):
 
 
 def wrong_input(rank, p, algorithm):
-    g = dist.new_group(list(range(p)))
-    t0 = time.monotonic()
     inp = torch.ones(p * 8 + (1 if rank == 1 else 0))
-    try:
-        commlab.reduce_scatter(torch.empty(8), inp, group=g, algorithm=algorithm)
-    except commlab.CommlabError as e:
-        return type(e).__name__, str(e), time.monotonic() - t0
-    finally:
-        dist.destroy_process_group(g)
-    return "returned", "", time.monotonic() - t0
+    return on_fresh_group(p, lambda g: commlab.reduce_scatter(torch.empty(8), inp, group=g, algorithm=algorithm))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -226,11 +225,7 @@ def test_unsupported_calls_are_clear():
 
 
 def across_hosts(rank, p, hosts, algorithm):
-    import os
-
-    os.environ["COMMLAB_HOST_ID"] = f"h{hosts[rank]}"
-    try:
-        group = dist.new_group()  # a fresh group: host ids are gathered once per group
+    with emulated_host(hosts[rank]) as group:
         bad = []
         for n in (1, 5, 4099):  # 4099 float64 a block: several shm pieces of the tests' 16 KiB segments
             for dtype in (torch.float64, torch.int32):
@@ -238,13 +233,9 @@ def across_hosts(rank, p, hosts, algorithm):
                 commlab.reduce_scatter(out, data(rank, p * n, dtype, "sum"), group=group, algorithm=algorithm)
                 if not torch.equal(out, expected(p, n, dtype, "sum", rank)):
                     bad.append(f"{dtype} n={n}")
-        plan = commlab.api.reduce_scatter._plans.get((algorithm, id(dist.ReduceOp.SUM), id(group), torch.int32,
-                                                      True, False), dist.ReduceOp.SUM)
-        picked = plan.ctx.transport.name if algorithm == "auto" else algorithm
-        dist.destroy_process_group(group)
-        return bad, picked
-    finally:
-        del os.environ["COMMLAB_HOST_ID"]
+        plan = commlab.api.reduce_scatter._plans.get(
+            (algorithm, id(dist.ReduceOp.SUM), id(group), torch.int32, True, False), dist.ReduceOp.SUM)
+        return bad, picked(plan, algorithm)
 
 
 @pytest.mark.parametrize("name", list(HOST_LAYOUTS))
