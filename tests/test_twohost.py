@@ -96,9 +96,10 @@ def test_pure_algorithms_across_two_hosts_and_shm_refuses(two_hosts, tmp_path):
                 assert got.count("ranks [") == 2, got  # both hosts named, with their ranks
             else:
                 assert got == "ok", (name, got)
-        for name in commlab.algorithms.registry("all_gather").for_device("cpu"):  # hier and auto: two levels
-            got = res["all_gather"][name]
-            assert (got.startswith("unsupported:") if name == "shm" else got == "ok"), (name, got)
+        for collective in ("all_gather", "reduce_scatter", "broadcast", "all_to_all"):  # hier and auto: two levels
+            for name in commlab.algorithms.registry(collective).for_device("cpu"):
+                got = res[collective][name]
+                assert (got.startswith("unsupported:") if name == "shm" else got == "ok"), (collective, name, got)
     assert len({json.dumps(r["algorithms"]) for r in results}) == 1, "ranks disagree"
 
 

@@ -13,6 +13,11 @@ import torch.distributed as dist
 import commlab
 
 
+def _check(call, got: torch.Tensor, want: torch.Tensor) -> str:
+    call(got)
+    return "ok" if torch.equal(got, want) else "wrong"
+
+
 def main() -> int:
     timeout = datetime.timedelta(seconds=float(os.environ.get("COMMLAB_JOB_TIMEOUT", "60")))
     dist.init_process_group("gloo", timeout=timeout)
@@ -47,15 +52,32 @@ def main() -> int:
             out["algorithms"][name] = "ok" if torch.equal(x, want) else "wrong"
         except commlab.UnsupportedError as e:
             out["algorithms"][name] = f"unsupported: {e}"
-    out["all_gather"] = {}
-    for name in commlab.algorithms.registry("all_gather").for_device("cpu"):
-        x = torch.arange(1000, dtype=torch.float32) + 1000 * rank
-        got = torch.empty(p * 1000)
-        try:
-            commlab.all_gather(got, x, algorithm=name)
-            out["all_gather"][name] = "ok" if torch.equal(got, torch.arange(p * 1000, dtype=torch.float32)) else "wrong"
-        except commlab.UnsupportedError as e:
-            out["all_gather"][name] = f"unsupported: {e}"
+    # Every other family: one call each, its result checked exactly.
+    send = [rank + q + 1 for q in range(p)]  # all-to-all: uneven, rank r sends q r+q+1 elements
+    calls = {
+        "all_gather": lambda name: _check(
+            lambda got: commlab.all_gather(got, torch.arange(1000, dtype=torch.float32) + 1000 * rank, algorithm=name),
+            torch.empty(p * 1000), torch.arange(p * 1000, dtype=torch.float32)),
+        "reduce_scatter": lambda name: _check(
+            lambda got: commlab.reduce_scatter(got, torch.arange(p * 1000, dtype=torch.float32) + rank, algorithm=name),
+            torch.empty(1000), (torch.arange(1000, dtype=torch.float32) + 1000 * rank) * p + sum(range(p))),
+        "broadcast": lambda name: _check(
+            lambda got: commlab.broadcast(got, src=p - 1, algorithm=name),
+            torch.full((70_001,), float(rank)), torch.full((70_001,), float(p - 1))),
+        "all_to_all": lambda name: _check(
+            lambda got: commlab.all_to_all(got, torch.cat([torch.full((n,), float(10 * rank + q)) for q, n in
+                                                           enumerate(send)]), [j + rank + 1 for j in range(p)], send,
+                                           algorithm=name),
+            torch.empty(sum(j + rank + 1 for j in range(p))),
+            torch.cat([torch.full((j + rank + 1,), float(10 * j + rank)) for j in range(p)])),
+    }
+    for collective, call in calls.items():
+        out[collective] = {}
+        for name in commlab.algorithms.registry(collective).for_device("cpu"):
+            try:
+                out[collective][name] = call(name)
+            except commlab.UnsupportedError as e:
+                out[collective][name] = f"unsupported: {e}"
     with open(os.path.join(os.environ["COMMLAB_JOB_OUT"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()
