@@ -15,6 +15,11 @@ from commlab.core.reduction import Op
 from commlab.transports.p2p import P2P
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat contiguous tensor's bytes: moving bytes needs no dtype (gloo refuses complex)."""
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
 @dataclass(frozen=True)
 class Cost:
     """α-β-γ terms of one all-reduce of n bytes on p ranks, on the critical path:

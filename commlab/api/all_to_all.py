@@ -80,7 +80,7 @@ class _Plan(family.Plan):
         flat_in = inp.resolve_conj().resolve_neg()
         flat_in = flat_in.reshape(-1) if flat_in.is_contiguous() else flat_in.contiguous().view(-1)
         # A private result when out is strided, a conj/neg view, or shares memory with the input.
-        own = out.is_contiguous() and not out.is_conj() and not out.is_neg() and not _overlaps(out, flat_in)
+        own = out.is_contiguous() and not out.is_conj() and not out.is_neg() and not family.overlaps(out, flat_in)
         result = out.view(-1) if own else torch.empty(out.numel(), dtype=out.dtype, device=out.device)
         if self.info.size == 1:
             result.copy_(flat_in)
@@ -88,13 +88,6 @@ class _Plan(family.Plan):
             self.alg.run(result, flat_in, counts, self.ctx)
         if not own:
             out.copy_(result.view(out.shape))
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 _plans = family.Plans()

@@ -113,6 +113,15 @@ def run(plan: Plan, out: torch.Tensor, inp: torch.Tensor, async_op: bool, root: 
     return plan.lane.submit(lambda: plan.execute(out, inp, root, extra), out, async_op)
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share bytes (an output that is a view of the input needs a
+    private result)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def check_tensors(collective: str, *tensors) -> None:
     for t in tensors:
         if not isinstance(t, torch.Tensor):

@@ -44,20 +44,13 @@ class _Plan(family.Plan):
         else:
             # A private result when out is strided or shares memory with the input
             # (NCCL's in-place convention: out is this rank's block of inp).
-            own = out.is_contiguous() and not _overlaps(out, flat_in)
+            own = out.is_contiguous() and not family.overlaps(out, flat_in)
             result = out.view(-1) if own else torch.empty(out.numel(), dtype=out.dtype, device=out.device)
             self.alg.run(result, flat_in, Op.SUM if self.reduce_op is Op.AVG else self.reduce_op, self.ctx)
         if self.reduce_op is Op.AVG:
             finish_average_(result, p)
         if result.data_ptr() != out.data_ptr() or not out.is_contiguous():
             out.copy_(result.view(out.shape))
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 _plans = family.Plans()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..base import Context, Member
+from ..base import Context, Member, as_bytes
 
 
 class AllGatherAlgorithm(Member):
@@ -35,11 +35,6 @@ class AllGatherAlgorithm(Member):
         it may be a view of this rank's block of out), in rank order; ctx.size > 1.
         Every rank ends bitwise identical."""
         raise NotImplementedError
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat contiguous tensor's bytes: moving bytes needs no dtype (gloo refuses complex)."""
-    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
 def blocks(out: torch.Tensor, p: int) -> list[torch.Tensor]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..base import Context, Member
+from ..base import Context, Member, as_bytes  # noqa: F401 - as_bytes: the family's modules import it from here
 
 
 class Counts:
@@ -35,11 +35,6 @@ class Counts:
 def split(t: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
     """A flat tensor's blocks of `counts` elements (views, rank order)."""
     return list(t.split(counts))
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat contiguous tensor's bytes: moving bytes needs no dtype (gloo refuses complex)."""
-    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
 class AllToAllAlgorithm(Member):

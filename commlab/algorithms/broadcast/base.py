@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..base import Context, Member
+from ..base import Context, Member, as_bytes  # noqa: F401 - as_bytes: the family's modules import it from here
 
 
 class BroadcastAlgorithm(Member):
@@ -33,11 +33,6 @@ class BroadcastAlgorithm(Member):
     def run(self, buf: torch.Tensor, root: int, ctx: Context) -> None:
         """buf (n > 0 elements, contiguous) = the root's buf on every rank; ctx.size > 1."""
         raise NotImplementedError
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat contiguous tensor's bytes: moving bytes needs no dtype (gloo refuses complex)."""
-    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
 def spans(n: int, parts: int) -> list[tuple[int, int]]:
