@@ -113,6 +113,25 @@ class TensorBytes:
         return handles
 
 
+def ddp_bucket_bytes(ddp: DDP) -> int:
+    """The bytes of DDP's gradient buckets, from its reducer."""
+    return sum(b.buffer().numel() * b.buffer().element_size() for b in ddp.reducer._get_zeros_like_grad_buckets())
+
+
+def measure_step(model: torch.nn.Module, opt, buckets: int, one_step) -> dict:
+    """One more step (after the timed ones) with the tensor bytes sampled throughout:
+    compare's tensor_mb and its breakdown."""
+    counter = TensorBytes(model, opt, buckets)
+    handles = counter.attach()
+    counter.sample()
+    one_step()
+    counter.sample()
+    for h in handles:
+        h.remove()
+    return {"tensor_mb": counter.peak_total / 2**20,
+            "tensor_breakdown_mb": {k: v / 2**20 for k, v in counter.at_peak.items()}}
+
+
 def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     """One rank of a sharded mode; returns its measurements (as workers.ddp_rank does)."""
     backend = "gloo"
@@ -179,18 +198,8 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         loss = step(i)
         times.append(time.perf_counter() - t0)
     util = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - wall0) * 100
-    # One more step, untimed, with the tensor bytes sampled throughout.
-    bucket_bytes = 0
-    if mode == "zero1":
-        bucket_bytes = sum(b.buffer().numel() * b.buffer().element_size()
-                           for b in net.reducer._get_zeros_like_grad_buckets())
-    counter = TensorBytes(model, opt, bucket_bytes)
-    handles = counter.attach()
-    counter.sample()
-    step(args["warmup"] + args["iters"])
-    counter.sample()
-    for h in handles:
-        h.remove()
+    tensors = measure_step(model, opt, ddp_bucket_bytes(net) if mode == "zero1" else 0,
+                           lambda: step(args["warmup"] + args["iters"]))
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     mean_loss = torch.tensor([loss], dtype=torch.float64)
@@ -210,7 +219,5 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         params = torch.cat([t.reshape(-1).double() for t in full]).tolist()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"times": slowest.tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": peak_rss / 2**20,
-            "util": util, "sync_total": total, "sync_exposed": exposed, "comm_bytes": per_step,
-            "tensor_mb": counter.peak_total / 2**20, "tensor_breakdown_mb": {k: v / 2**20 for k, v in
-                                                                              counter.at_peak.items()},
+            "util": util, "sync_total": total, "sync_exposed": exposed, "comm_bytes": per_step, **tensors,
             "params": params}

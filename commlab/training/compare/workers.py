@@ -182,22 +182,14 @@ def _tensor_bytes_and_params(ddp, opt, one_step, args: dict) -> tuple[dict, list
     """One more step (after the timed ones) with the tensor bytes sampled throughout (see
     sharded.TensorBytes; DDP's buckets from its reducer), and the final parameters when
     asked for."""
-    from commlab.training.compare.sharded import TensorBytes
+    from commlab.training.compare.sharded import ddp_bucket_bytes, measure_step
 
     if next(ddp.parameters()).is_cuda:
         return {}, None  # on GPU the allocator's peak is the measure
-    buckets = sum(b.buffer().numel() * b.buffer().element_size() for b in ddp.reducer._get_zeros_like_grad_buckets())
-    counter = TensorBytes(ddp.module, opt, buckets)
-    handles = counter.attach()
-    counter.sample()
-    one_step()
-    counter.sample()
-    for h in handles:
-        h.remove()
+    tensors = measure_step(ddp.module, opt, ddp_bucket_bytes(ddp), one_step)
     params = torch.cat([p.detach().reshape(-1).double() for p in ddp.module.parameters()]).tolist() \
         if args.get("return_params") else None
-    return {"tensor_mb": counter.peak_total / 2**20,
-            "tensor_breakdown_mb": {k: v / 2**20 for k, v in counter.at_peak.items()}}, params
+    return tensors, params
 
 
 def dp_process(rank: int, world: int, args: dict) -> dict:
