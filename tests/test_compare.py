@@ -149,6 +149,15 @@ def test_sharded_modes_train_alike_and_hold_what_the_formulas_say():
         assert got["optimizer_state"] * mib == pytest.approx(8 * n / p, rel=0.05), (m, got)
         assert 0 < got["gathered"] * mib <= 4 * n and got["buckets"] == 0, (m, got)
     assert fsdp["tensor_mb"] < zero1["tensor_mb"] < ddp["tensor_mb"]
+    # The peak is in backward, where a unit's gathered parameters and its unsharded
+    # gradients live at once beside every shard: missed if only the shards are sampled.
+    block = max(sum(t.numel() for t in b.parameters())
+                for b in workloads.blocks(workloads.build("transformer", width=64, depth=2).model))
+    for m in ("fsdp", "fsdp:shm"):
+        assert rows[m]["tensor_mb"] * mib >= 12 * n / p + 2 * 4 * block, (m, rows[m]["tensor_breakdown_mb"])
+    # Without resharding every unit stays gathered into backward, where the first
+    # unit's gradients join them.
+    assert rows["fsdp:noreshard"]["tensor_mb"] * mib >= 12 * n / p + 4 * n + 4 * block * 0.9, rows["fsdp:noreshard"]
     # Bytes per step: DDP all-reduces every gradient once; ZeRO-1 also broadcasts every
     # parameter; FSDP gathers every parameter twice (forward, backward) and reduce-scatters
     # every gradient; without resharding it gathers once.

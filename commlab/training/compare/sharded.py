@@ -105,11 +105,13 @@ class TensorBytes:
             self.peak_total, self.at_peak = total, got
 
     def attach(self) -> list:
-        """Samples at every leaf module's forward and every gradient's accumulation."""
+        """Samples at every leaf module's forward and every gradient's accumulation —
+        into FSDP's unsharded parameters too (the registered shards get theirs only after
+        the reduce-scatter, when the unit's full gradients are gone)."""
         handles = [m.register_forward_hook(self.sample) for m in self.model.modules()
                    if not list(m.children()) and list(m.parameters(recurse=False))]
-        handles += [p.register_post_accumulate_grad_hook(self.sample) for p in self.model.parameters()
-                    if p.requires_grad]
+        handles += [p.register_post_accumulate_grad_hook(self.sample)
+                    for p in [*self.model.parameters(), *_gathered(self.model)] if p.requires_grad]
         return handles
 
 
