@@ -163,3 +163,19 @@ def test_sharded_modes_train_alike_and_hold_what_the_formulas_say():
     # every gradient; without resharding it gathers once.
     for m, k in (("ddp", 1), ("zero1", 2), ("fsdp", 3), ("fsdp:shm", 3), ("fsdp:noreshard", 2)):
         assert rows[m]["comm_mb"] * mib == pytest.approx(4 * k * n, rel=0.05), (m, rows[m]["comm_mb"])
+    # commlab.predict follows the same tensors through its schedule of the step: each
+    # mode's peak within 10 % of what the ranks measured, and the same bytes on the wire.
+    from commlab.training.predict import model as M
+
+    fit = {"alpha_us": 50.0, "beta_us_per_byte": 1e-3, "gamma_us_per_byte": 1e-4}
+    host = M.Profile(name="t", description="", device="cpu", memory_bytes=0.0, memory_bandwidth_gbps=0.0,
+                     peak_tflops={}, link={}, compute_ms=100.0, overlap=False,
+                     fits={c: {"builtin": fit, "shm": fit} for c in ("all_reduce", "all_gather", "reduce_scatter",
+                                                                     "broadcast")})
+    setup = M.Setup(model="transformer", world=p, batch_size=8, width=64, depth=2, optimizer="adamw")
+    for r in M.predict(list(rows), setup, host):
+        assert r["status"] == "ok", r
+        got = rows[r["mode"]]
+        assert r["tensor_mb"] == pytest.approx(got["tensor_mb"], rel=0.10), (r["mode"], r["tensor_breakdown_mb"],
+                                                                             got["tensor_breakdown_mb"])
+        assert r["comm_mb"] == pytest.approx(got["comm_mb"], rel=0.01), r["mode"]

@@ -112,6 +112,67 @@ def test_a_faster_link_shrinks_only_communication():
     assert a[0]["breakdown"]["backward_ms"] == b[0]["breakdown"]["backward_ms"]
 
 
+def _sharded(prof, modes=("ddp", "zero1", "fsdp", "fsdp:noreshard", "fsdp:ring"), p=4):
+    s = M.Setup("transformer", world=p, batch_size=16, width=256, depth=4, optimizer="adamw")
+    steps = M.Steps(s)
+    return steps.at(s.batch_size // p), {r["mode"]: r for r in M.predict(list(modes), s, prof, steps)}
+
+
+def test_sharding_divides_what_each_device_holds_as_the_formulas_say():
+    """Per device, in B per fp32 parameter: DDP 4 + 4 + 4 (buckets) + 8 (Adam); ZeRO-1
+    Adam / p; FSDP all of it / p plus what is gathered (a block and the next one
+    prefetched, or every block without resharding); bytes per step 1, 2, 3, 2 × the
+    parameters (the root, kept gathered, is not gathered again for backward)."""
+    prof, p = M.load_profile("h100-sxm-nvlink"), 4
+    st, rows = _sharded(prof, p=p)
+    n = st.param_bytes
+    unit = max(sum(st.params[i] for i in u.params) for u in st.units[:-1])
+    root = sum(st.params[i] for i in st.units[-1].params)  # gathered from forward to the end of backward
+    held = {m: r["tensor_breakdown_mb"] for m, r in rows.items()}
+    mib = 2**20
+    assert sum(held["ddp"].values()) * mib == pytest.approx(5 * n)
+    assert held["zero1"]["optimizer_state"] * mib == pytest.approx(2 * n / p)
+    for m in ("fsdp", "fsdp:noreshard", "fsdp:ring"):
+        assert held[m]["parameters"] * mib == pytest.approx(n / p)
+        assert held[m]["optimizer_state"] * mib == pytest.approx(2 * n / p)
+    assert unit + root < held["fsdp"]["gathered"] * mib <= 2 * unit + root  # a block and the one prefetched
+    assert held["fsdp:noreshard"]["gathered"] * mib == pytest.approx(n, rel=0.01)
+    assert rows["fsdp"]["tensor_mb"] < rows["fsdp:noreshard"]["tensor_mb"] < rows["zero1"]["tensor_mb"] \
+        < rows["ddp"]["tensor_mb"]
+    for m, k in (("ddp", 1), ("zero1", 2), ("fsdp", 3), ("fsdp:noreshard", 2), ("fsdp:ring", 3)):
+        again = root if m in ("fsdp", "fsdp:ring") else 0  # the root stays gathered into backward
+        assert rows[m]["comm_mb"] * mib == pytest.approx(k * n - again, rel=1e-6), m
+    # On a GPU the step's activations come on top of the tensors held.
+    assert rows["fsdp"]["peak_memory_mb"][0] * mib == pytest.approx(
+        rows["fsdp"]["tensor_mb"] * mib + st.activation_bytes + st.input_bytes + st.buffers_bytes)
+
+
+def test_fsdp_schedule_hides_its_collectives_only_where_they_can_overlap():
+    """A link with no cost leaves FSDP the compute and its sharded optimizer step; where
+    ranks outnumber cores (no overlap) every collective is exposed; with overlap some
+    of them hide behind forward and backward."""
+    prof = M.load_profile("rtx4090-pcie4")
+    free = M.load_profile("rtx4090-pcie4")
+    free.link = dict(free.link, gbps=1e12, call_latency_us=0.0, step_latency_us=0.0)
+    free.memory_bandwidth_gbps = 1e12  # no reduction cost either (it is not compute the trace saw)
+    _, rows = _sharded(free)
+    r = rows["fsdp"]
+    b = r["breakdown"]
+    assert r["iter_ms"]["median"] == pytest.approx(b["forward_ms"] + b["backward_ms"] + b["optimizer_ms"], rel=1e-3)
+    assert r["grad_sync_ms"]["exposed"] == pytest.approx(0, abs=1e-3)
+    _, on = _sharded(prof)
+    prof.overlap = False
+    _, off = _sharded(prof)
+    for m in ("fsdp", "fsdp:noreshard"):
+        assert off[m]["grad_sync_ms"]["exposed"] == pytest.approx(off[m]["grad_sync_ms"]["total"])
+        assert on[m]["grad_sync_ms"]["exposed"] < on[m]["grad_sync_ms"]["total"]
+        assert on[m]["iter_ms"]["median"] < off[m]["iter_ms"]["median"]
+    # Resharding gathers every block again for backward: more on the wire, never less time.
+    assert on["fsdp"]["grad_sync_ms"]["total"] > on["fsdp:noreshard"]["grad_sync_ms"]["total"]
+    _, bad = _sharded(prof, modes=("fsdp:nope",))
+    assert bad["fsdp:nope"]["status"] == "unavailable" and "nope" in bad["fsdp:nope"]["reason"]
+
+
 @pytest.mark.parametrize("name", M.profile_names())
 def test_every_profile_cites_its_numbers(name):
     prof = M.load_profile(name)

@@ -89,6 +89,7 @@ def run_ddp_mode(mode: str, world: int, args: dict, rank_fn=workers.ddp_rank) ->
         "grad_sync_ms": {"total": max(r["sync_total"] for r in res), "exposed": max(r["sync_exposed"] for r in res)},
         "final_loss": res[0]["loss"],
         **({"arrival_skew_ms": res[0]["arrival_skew_ms"]} if res[0].get("arrival_skew_ms") is not None else {}),
+        **({"optimizer_ms": max(r["optimizer_ms"] for r in res)} if res[0].get("optimizer_ms") is not None else {}),
         **({"tensor_mb": max(r["tensor_mb"] for r in res),
             "tensor_breakdown_mb": max(res, key=lambda r: r["tensor_mb"])["tensor_breakdown_mb"]}
            if res[0].get("tensor_mb") is not None else {}),
@@ -129,33 +130,54 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
     """commlab.predict's rows for the measured modes' setup, each with the same mode
     name and "predicted": true."""
     from commlab.training.predict import model as M
+    from commlab.training.predict import sharded as S
 
     s = M.Setup(model=args["model"], world=world, batch_size=args["batch_size"], bucket_cap_mb=args["bucket_cap_mb"],
-                amp=args["amp"], checkpoint=args["checkpoint"], **workloads.options(args))
-    wanted = [m for m in modes if m == "dp" or m == "ddp" or m.startswith("ddp:")]
+                amp=args["amp"], checkpoint=args["checkpoint"], optimizer=args.get("optimizer", "sgd"),
+                **workloads.options(args))
+    wanted = [m for m in modes if m == "dp" or m == "ddp" or m.startswith("ddp:") or S.is_sharded(m)]
     if profile == "this-host":
         noop = next((m for m in measured if m["mode"] == "ddp:noop" and m["status"] == "ok"), None)
         if noop is None:
             return [{"mode": m, "status": "unavailable", "predicted": True,
                      "reason": "this-host needs the measured compute-only step (ddp:noop), which failed"} for m in wanted]
-        bench = host_bench(world, ["builtin"] + [m[4:] for m in wanted if m[4:] in algorithms.for_device("cpu")])
-        prof = M.this_host(bench, noop["iter_ms"]["median"], world, len(os.sched_getaffinity(0)),
-                           noop.get("arrival_skew_ms", 0.0))
+        benches = [host_bench(world, c, names) for c, names in host_collectives(wanted).items()]
+        prof = M.this_host(benches, noop["iter_ms"]["median"], world, len(os.sched_getaffinity(0)),
+                           noop.get("arrival_skew_ms", 0.0), noop.get("optimizer_ms"))
     else:
         prof = M.load_profile(profile)
     return M.predict(wanted, s, prof)
 
 
-def host_bench(world: int, names: list[str]) -> dict:
-    """A short all-reduce bench of these algorithms at this world size (what this-host
-    is fitted to): 256 KiB to 16 MiB, DDP's bucket sizes."""
+def host_collectives(modes: list[str]) -> dict[str, list[str]]:
+    """What this-host must fit for these modes: collective -> algorithms."""
+    from commlab.training.predict import sharded as S
+
+    cpu = algorithms.for_device("cpu")
+    need: dict[str, list[str]] = {"all_reduce": ["builtin"]}
+    for m in modes:
+        if m.startswith("ddp:") and m[4:] in cpu:
+            need["all_reduce"].append(m[4:])
+        elif m == "zero1":
+            need.setdefault("broadcast", []).append(S.BROADCAST["cpu"])
+        elif S.is_sharded(m):
+            for c in ("all_gather", "reduce_scatter"):
+                need.setdefault(c, []).append(S.fsdp_algorithm(m))
+    return {c: list(dict.fromkeys(names)) for c, names in need.items()}
+
+
+def host_bench(world: int, collective: str, names: list[str]) -> dict:
+    """A short bench of one collective's algorithms at this world size (what this-host
+    is fitted to): all-reduce 256 KiB to 16 MiB (DDP's bucket sizes), the sharded
+    modes' collectives 4 KiB to 64 MiB (a parameter to a gathered block)."""
     import subprocess
     import tempfile
 
+    lo, hi = ("256K", "16M") if collective == "all_reduce" else ("4K", "64M")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "bench.json")
-        cmd = [sys.executable, "-m", "commlab.allreduce_bench", "--world-size", str(world), "--algorithms",
-               ",".join(dict.fromkeys(names)), "-b", "256K", "-e", "16M", "-f", "4", "--anchors", "none",
+        cmd = [sys.executable, "-m", "commlab.allreduce_bench", "--world-size", str(world), "--collective", collective,
+               "--algorithms", ",".join(names), "-b", lo, "-e", hi, "-f", "4", "--anchors", "none",
                "--budget", "0.1", "--rounds", "1", "--quiet", "--json", out]
         print(f"# predicting this-host: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=600)

@@ -23,8 +23,9 @@ DEFINITIONS = """\
   tensor bytes the peak, over one extra step sampled at every leaf module's forward,
                every gradient's accumulation and after the optimizer step, of the
                bytes of unique storages a rank holds as parameters (sharded, or
-               gathered while an FSDP unit computes), gradients, optimizer state and
-               DDP's buckets (CPU; activations not counted); largest rank
+               gathered while an FSDP unit computes or is prefetched), gradients,
+               optimizer state and DDP's buckets (activations not counted); largest
+               rank
   comm / step  bytes of the step's collective buffers, nccl-tests' sizes: DDP's
                all-reduced buckets, ZeRO-1's buckets plus its parameter broadcasts,
                FSDP's gathered outputs and reduce-scattered inputs

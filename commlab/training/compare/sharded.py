@@ -44,16 +44,32 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _gathered(model: torch.nn.Module):
-    """FSDP2's unsharded parameters (its FSDPParam._unsharded_param; their storage is
-    freed, size 0, while the unit is resharded): private, so looked up with care."""
+def _groups(model: torch.nn.Module):
     for m in model.modules():
         get_state = getattr(m, "_get_fsdp_state", None)
         group = getattr(get_state(), "_fsdp_param_group", None) if get_state else None
+        if group is not None:
+            yield group
+
+
+def _gathered(model: torch.nn.Module):
+    """FSDP2's unsharded parameters (its FSDPParam._unsharded_param; their storage is
+    freed, size 0, while the unit is resharded): private, so looked up with care."""
+    for group in _groups(model):
         for fp in getattr(group, "fsdp_params", None) or []:
             t = getattr(fp, "_unsharded_param", None)
             if isinstance(t, torch.Tensor):
                 yield t
+
+
+def _in_flight(model: torch.nn.Module):
+    """FSDP2's all-gather output buffers not yet copied out: a unit prefetched for
+    backward holds its gathered bytes here before its parameters exist."""
+    for group in _groups(model):
+        result = getattr(group, "_all_gather_result", None)
+        t = getattr(result, "all_gather_output", None)
+        if isinstance(t, torch.Tensor):
+            yield t
 
 
 class TensorBytes:
@@ -91,8 +107,8 @@ class TensorBytes:
         # computes) and what the optimizer steps (the shards, registered or not).
         params = list(self.model.parameters()) + [p for g in self.opt.param_groups for p in g["params"]]
         gathered = list(_gathered(self.model))
-        for t in gathered:  # first: while a unit is unsharded FSDP registers these as its parameters
-            count("gathered", t)
+        for t in gathered + list(_in_flight(self.model)):  # first: while a unit is unsharded FSDP registers
+            count("gathered", t)  # these as its parameters
         for p in params:
             count("parameters", p)
         for p in params + gathered:

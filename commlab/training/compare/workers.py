@@ -103,6 +103,7 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     scaler = torch.amp.GradScaler(device.type) if args["amp"] == "fp16" else None
     amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args["amp"])
     proc = psutil.Process()
+    opt_times: list[float] = []
 
     def forward_loss(x, y):
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
@@ -118,13 +119,18 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
                 loss = forward_loss(x, y) / accum
                 (scaler.scale(loss) if scaler else loss).backward()
             total += float(loss.detach())
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
         optimizer_step(opt, scaler)
         if cuda:
             torch.cuda.synchronize()
+        opt_times.append(time.perf_counter() - t0)  # this-host prediction's optimizer share (ddp:noop)
         return total
 
     for i in range(args["warmup"]):
         step(i)
+    opt_times.clear()
     if isinstance(state, hooks.BucketStats):
         state.reset()
     elif state is not None:
@@ -175,7 +181,8 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         skew = arrival_skew_ms(logs)
     return {"times": slowest.cpu().tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": mem,
             "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"],
-            "arrival_skew_ms": skew, "comm_bytes": per_step[-1]["bytes"], **tensors, "params": params}
+            "arrival_skew_ms": skew, "comm_bytes": per_step[-1]["bytes"], **tensors, "params": params,
+            "optimizer_ms": sorted(opt_times)[len(opt_times) // 2] * 1e3 if opt_times else None}
 
 
 def _tensor_bytes_and_params(ddp, opt, one_step, args: dict) -> tuple[dict, list | None]:

@@ -25,6 +25,7 @@ import sys
 from commlab.training import workloads
 from commlab.training.compare import report
 from commlab.training.predict import model as M
+from commlab.training.predict import sharded
 
 NOT_MODELLED = ("not modelled: kernel launch and Python overhead (DP's replica threads share one interpreter), "
                 "kernels below the roofline, the allocator's cache and cuDNN workspaces, data loading")
@@ -44,7 +45,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
     ap.add_argument("--amp", choices=["fp16", "bf16"], default=None)
     ap.add_argument("--checkpoint", action="store_true")
-    ap.add_argument("--modes", default="dp,ddp,ddp:noop")
+    ap.add_argument("--modes", default="dp,ddp,ddp:noop",
+                    help="comma list: dp, ddp, ddp:<algorithm>, ddp:noop, zero1, fsdp, fsdp:noreshard, fsdp:<algorithm>")
+    ap.add_argument("--optimizer", choices=["sgd", "adamw"], default=None,
+                    help="default: adamw when a sharded mode (zero1, fsdp*) is asked for, as compare's; else sgd")
     ap.add_argument("--find-max-batch", action="store_true", help="the largest global batch that fits each device")
     ap.add_argument("--mem-limit-mb", type=float, help="device memory for --find-max-batch (default: the profile's)")
     ap.add_argument("--json")
@@ -53,14 +57,15 @@ def main(argv=None) -> int:
         prof = M.load_profile(a.hardware)
     except ValueError as e:
         ap.error(str(e))
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    optimizer = a.optimizer or ("adamw" if any(sharded.is_sharded(m) for m in modes) else "sgd")
     s = M.Setup(model=a.model, world=a.gpus, batch_size=a.batch_size, bucket_cap_mb=a.bucket_cap_mb, amp=a.amp,
-                checkpoint=a.checkpoint, width=a.width, depth=a.depth)
+                checkpoint=a.checkpoint, width=a.width, depth=a.depth, optimizer=optimizer)
     try:
         s.input_shape = workloads.parse_shape(a.input_shape)
         steps = M.Steps(s)
     except ValueError as e:
         ap.error(str(e))
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     rows = M.predict(modes, s, prof, steps)
     if a.find_max_batch:
         limit = (a.mem_limit_mb * 2**20) if a.mem_limit_mb else prof.memory_bytes
@@ -69,7 +74,7 @@ def main(argv=None) -> int:
                 r["max_batch"] = M.max_batch(r["mode"], s, prof, steps, limit)
     env = {"predicted": True, "hardware": prof.name, "profile": prof.description, "device": prof.device,
            "world_size": a.gpus, "model": a.model, "batch_size": a.batch_size, "bucket_cap_mb": a.bucket_cap_mb,
-           "amp": a.amp, "checkpoint": a.checkpoint}
+           "amp": a.amp, "checkpoint": a.checkpoint, "optimizer": optimizer}
     doc = {"env": env, "modes": rows, "predicted": True, "sources": prof.sources}
     for k, v in env.items():
         print(f"# {k}: {v}")

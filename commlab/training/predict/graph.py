@@ -22,6 +22,15 @@ class Op:
     kind: str  # conv | mm (matrix products) | "" (element-wise and the rest)
 
 
+@dataclass(frozen=True)
+class Unit:
+    """What FSDP shards as one (fully_shard per block, workloads.blocks; the root unit
+    holds the rest): its parameters and the operations of its forward."""
+
+    params: tuple[int, ...]  # indices into Step.params
+    fwd: tuple[int, int]  # ops [start, end) of its forward (the root's: the whole forward)
+
+
 @dataclass
 class Step:
     """One step at `batch` samples on one device."""
@@ -37,6 +46,9 @@ class Step:
     output_bytes: float
     buffers_bytes: float = 0.0
     notes: list[str] = field(default_factory=list)
+    units: list[Unit] = field(default_factory=list)  # blocks in forward order, then the root
+    live: list[float] = field(default_factory=list)  # bytes alive after each dispatched op (peak_bytes is its max)
+    optimizer: str = "sgd"
 
     @property
     def param_bytes(self) -> int:
@@ -54,6 +66,7 @@ class _Recorder(TorchDispatchMode):
         self.skip = skip  # the parameters' storages: the weights are counted apart
         self.live: dict = {}  # storage -> bytes, for every tensor an op made that is still alive
         self.peak = 0.0
+        self.curve: list[float] = []  # bytes alive after every dispatched op: the peak at any batch
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -65,7 +78,8 @@ class _Recorder(TorchDispatchMode):
                     self.live[k] = t.untyped_storage().nbytes()
         for k in [k for k in self.live if k.expired()]:
             del self.live[k]
-        self.peak = max(self.peak, float(sum(self.live.values())))
+        self.curve.append(float(sum(self.live.values())))
+        self.peak = max(self.peak, self.curve[-1])
         packet = func._overloadpacket
         if func.is_view or packet in _FREE:
             return out
@@ -83,13 +97,18 @@ _FREE = {_aten.detach, _aten.empty, _aten.empty_like, _aten.zeros_like, _aten.li
 _MM = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.matmul}
 
 
+OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1), "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.1)}
+
+
 def trace(model_name: str, batch: int, *, width: int = 1024, depth: int = 4, checkpoint: bool = False,
-          input_shape: tuple[int, ...] | None = None) -> Step:
-    """One step (forward, loss, backward, SGD step as compare's) at `batch` samples, in
-    fp32 on meta (autocast does not reach meta tensors: the model applies AMP)."""
+          input_shape: tuple[int, ...] | None = None, optimizer: str = "sgd") -> Step:
+    """One step (forward, loss, backward, optimizer step as compare's) at `batch`
+    samples, in fp32 on meta (autocast does not reach meta tensors: the model applies
+    AMP)."""
     with torch.device("meta"):
         w = workloads.build(model_name, width=width, depth=depth, input_shape=input_shape)
         model = w.model
+        blocks = workloads.blocks(model)
         if checkpoint:
             model = workloads.Checkpointed(model)
     x, y = w.make_batch(batch, 0)
@@ -111,12 +130,32 @@ def trace(model_name: str, batch: int, *, width: int = 1024, depth: int = 4, che
     def accumulated(p):
         ready.setdefault(index[id(p)], len(rec.ops))
 
+    spans: dict[int, list[int]] = {}  # block -> [first op, end op] of its first forward (not a recomputation)
+
+    def entered(m, *_):
+        spans.setdefault(id(m), [len(rec.ops), len(rec.ops)])
+
+    def left(m, *_):
+        if len(spans[id(m)]) == 2 and rec.phase == "fwd":
+            spans[id(m)][1] = len(rec.ops)
+            spans[id(m)].append(True)
+
     hooks = [p.register_post_accumulate_grad_hook(accumulated) for p in params]
-    opt = torch.optim.SGD(params, lr=0.1)
+    hooks += [b.register_forward_pre_hook(entered) for b in blocks] + [b.register_forward_hook(left) for b in blocks]
+    opt = OPTIMIZERS[optimizer](params)
+    # The optimizer's state lives through every step, not only its end: made before the
+    # traced step and kept out of its peak (the prediction adds it whole).
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    keys |= {StorageWeakRef(v.untyped_storage()) for st in opt.state.values() for v in st.values()
+             if isinstance(v, torch.Tensor)}
     try:
         with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(x)
             loss = w.loss(out, y)
+            fwd_end = len(rec.ops)
             rec.phase = "bwd"
             loss.backward()
         rec.phase = "opt"
@@ -125,7 +164,15 @@ def trace(model_name: str, batch: int, *, width: int = 1024, depth: int = 4, che
     finally:
         for h in hooks:
             h.remove()
+    units, owned = [], set()
+    for b in blocks:
+        mine = tuple(index[id(p)] for p in b.parameters() if id(p) in index and index[id(p)] not in owned)
+        if mine and id(b) in spans:
+            owned.update(mine)
+            units.append(Unit(mine, (spans[id(b)][0], spans[id(b)][1])))
+    units.append(Unit(tuple(i for i in range(len(params)) if i not in owned), (0, fwd_end)))
     return Step(batch=batch, ops=rec.ops, params=[p.numel() * p.element_size() for p in params], grad_ready=ready,
                 activation_bytes=float(sum(saved.values())), peak_bytes=rec.peak, input_bytes=float(x.numel() * x.element_size()),
                 output_bytes=float(out.numel() * out.element_size()),
-                buffers_bytes=float(sum(b.numel() * b.element_size() for b in model.buffers())))
+                buffers_bytes=float(sum(b.numel() * b.element_size() for b in model.buffers())),
+                units=units, optimizer=optimizer, live=rec.curve)

@@ -30,9 +30,10 @@ class Profile:
     sources: list = field(default_factory=list)
     # this-host (CPU): what was measured instead of a datasheet
     compute_ms: float | None = None  # one compute-only step (ddp:noop) of the model at the batch compared
-    allreduce: dict = field(default_factory=dict)  # algorithm -> {alpha_us, beta_us_per_byte, gamma_us_per_byte}
+    fits: dict = field(default_factory=dict)  # collective -> algorithm -> {alpha_us, beta_us_per_byte, gamma_us_per_byte}
     overlap: bool = True  # False where ranks outnumber cores: communication takes the cores backward needs
     arrival_skew_ms: float = 0.0  # how far apart ranks reach their first bucket (ddp:noop): the first to arrive waits
+    optimizer_ms: float | None = None  # of compute_ms, the optimizer step (ddp:noop): shared out by bytes, not FLOPs
 
 
 def profile_names() -> list[str]:
@@ -47,21 +48,25 @@ def load_profile(name: str) -> Profile:
         return Profile(**json.load(f))
 
 
-def this_host(bench: dict, compute_ms: float, ranks: int, cores: int, arrival_skew_ms: float = 0.0) -> Profile:
-    """This machine, measured: each algorithm's α, β, γ fitted to a bench run at the
-    world size compared, the compute-only step and how far apart the ranks reach their
-    first bucket (both from ddp:noop)."""
+def this_host(benches: list[dict], compute_ms: float, ranks: int, cores: int, arrival_skew_ms: float = 0.0,
+              optimizer_ms: float | None = None) -> Profile:
+    """This machine, measured: each algorithm's α, β, γ fitted to bench runs (one per
+    collective) at the world size compared, the compute-only step and how far apart the
+    ranks reach their first bucket (both from ddp:noop)."""
     from commlab.measure import costmodel
 
-    p = int(bench["env"]["world_size"])
-    fits = costmodel.fit([(r["algorithm"], p, r["bytes"], r["time_us"]) for r in bench["results"]],
-                         bench["env"].get("gamma_us_per_byte"))
-    return Profile(name="this-host", description=f"this machine: {cores} cores, {ranks} ranks; fitted from a bench run",
+    fits: dict = {}
+    for bench in benches:
+        p, collective = int(bench["env"]["world_size"]), bench.get("collective", "all_reduce")
+        got = costmodel.fit([(r["algorithm"], p, r["bytes"], r["time_us"]) for r in bench["results"]],
+                            bench["env"].get("gamma_us_per_byte"), collective)
+        fits[collective] = {a: {"alpha_us": f.alpha_us, "beta_us_per_byte": f.beta_us_per_byte,
+                                "gamma_us_per_byte": f.gamma_us_per_byte} for a, f in got.items()}
+    return Profile(name="this-host", description=f"this machine: {cores} cores, {ranks} ranks; fitted from bench runs",
                    device="cpu", memory_bytes=0.0, memory_bandwidth_gbps=0.0, peak_tflops={}, link={},
-                   compute_ms=compute_ms, overlap=ranks < cores, arrival_skew_ms=arrival_skew_ms or 0.0,
-                   allreduce={a: {"alpha_us": f.alpha_us, "beta_us_per_byte": f.beta_us_per_byte,
-                                  "gamma_us_per_byte": f.gamma_us_per_byte} for a, f in fits.items()},
-                   sources=[{"what": "allreduce", "source": "commlab.allreduce_bench at this world size, fitted"},
+                   compute_ms=compute_ms, overlap=ranks < cores, arrival_skew_ms=arrival_skew_ms or 0.0, fits=fits,
+                   optimizer_ms=optimizer_ms,
+                   sources=[{"what": ", ".join(fits), "source": "commlab.allreduce_bench at this world size, fitted"},
                             {"what": "compute_ms", "source": "commlab.compare's ddp:noop in the same run"}])
 
 
@@ -76,17 +81,18 @@ class Setup:
     width: int = 1024
     depth: int = 4
     input_shape: tuple[int, ...] | None = None  # a factory model's sample shape (workloads.user_model)
+    optimizer: str = "sgd"  # sgd | adamw (compare's --optimizer): what the optimizer step and its state cost
 
 
 class Steps:
     """Steps at any per-device batch from two traces, at the setup's per-device batch b
     and at 2b (meta tensors: a trace costs the same at any batch). Every operation's
-    FLOPs and bytes are affine in the batch; the peak of live bytes is too as long as it
-    falls at the same point of the step, which holds from b up (at tiny batches the
-    gradients, not the activations, make the peak)."""
+    FLOPs and bytes are affine in the batch, and so are the bytes alive after each op;
+    the peak is the largest of those at the batch asked for."""
 
     def __init__(self, s: Setup):
-        kw = dict(width=s.width, depth=s.depth, checkpoint=s.checkpoint, input_shape=s.input_shape)
+        kw = dict(width=s.width, depth=s.depth, checkpoint=s.checkpoint, input_shape=s.input_shape,
+                  optimizer=s.optimizer)
         self.b = max(1, s.batch_size // s.world)
         self.one, self.two = trace(s.model, self.b, **kw), trace(s.model, 2 * self.b, **kw)
         if len(self.one.ops) != len(self.two.ops):
@@ -99,19 +105,26 @@ class Steps:
             return a + (b - self.b) / self.b * (c - a)
 
         ops = [Op(o.phase, lin(o.flops, t.flops), lin(o.bytes, t.bytes), o.kind) for o, t in zip(one.ops, two.ops)]
+        # Each moment's live bytes are affine in the batch, the peak is their maximum: it
+        # moves from the end of backward (gradients) to its start (activations) as b grows.
+        live = [lin(x, y) for x, y in zip(one.live, two.live)] if len(one.live) == len(two.live) else []
         return Step(batch=b, ops=ops, params=one.params, grad_ready=one.grad_ready,
                     activation_bytes=lin(one.activation_bytes, two.activation_bytes),
-                    peak_bytes=lin(one.peak_bytes, two.peak_bytes),
+                    peak_bytes=max(live) if live else lin(one.peak_bytes, two.peak_bytes),
                     input_bytes=lin(one.input_bytes, two.input_bytes), output_bytes=lin(one.output_bytes, two.output_bytes),
-                    buffers_bytes=one.buffers_bytes)
+                    buffers_bytes=one.buffers_bytes, units=one.units, optimizer=one.optimizer)
 
 
 def op_times_us(step: Step, prof: Profile, amp: str | None) -> list[float]:
     """Per operation: the roofline on a GPU profile; on this host, the measured
-    compute-only step shared out by FLOPs (its matrix products dominate)."""
+    compute-only step shared out by FLOPs (its matrix products dominate), its measured
+    optimizer step (element-wise: no FLOPs counted) by bytes over the optimizer's ops."""
     if prof.compute_ms is not None:
-        total = sum(o.flops for o in step.ops) or 1.0
-        return [prof.compute_ms * 1e3 * o.flops / total for o in step.ops]
+        opt_us = (prof.optimizer_ms or 0.0) * 1e3
+        flops = sum(o.flops for o in step.ops if o.phase != "opt") or 1.0
+        moved = sum(o.bytes for o in step.ops if o.phase == "opt") or 1.0
+        rest = max(prof.compute_ms * 1e3 - opt_us, 0.0)
+        return [opt_us * o.bytes / moved if o.phase == "opt" else rest * o.flops / flops for o in step.ops]
     bw = prof.memory_bandwidth_gbps * 1e3  # bytes per µs
     out = []
     for o in step.ops:
@@ -124,17 +137,24 @@ def op_times_us(step: Step, prof: Profile, amp: str | None) -> list[float]:
     return out
 
 
-def allreduce_us(prof: Profile, algorithm: str, p: int, nbytes: float) -> float:
-    if prof.allreduce:  # fitted on this host
-        f = prof.allreduce.get(algorithm)
+def collective_us(prof: Profile, collective: str, algorithm: str, p: int, nbytes: float) -> float:
+    """One call of a family's algorithm on nbytes (its cost formula's size: all-reduce's
+    buffer, all-gather's output, reduce-scatter's input, broadcast's buffer): fitted α,
+    β, γ on this host; the link's rates on a hardware profile."""
+    c = algorithms.registry(collective).get(algorithm).cost(p, nbytes)
+    if prof.compute_ms is not None:  # fitted on this host
+        f = prof.fits.get(collective, {}).get(algorithm)
         if f is None:
-            raise ValueError(f"this-host has no fit for {algorithm!r} (bench it: --algorithms ...,{algorithm})")
-        c = algorithms.get(algorithm).cost(p, nbytes)
+            raise ValueError(f"this-host has no {collective} fit for {algorithm!r} "
+                             f"(bench it: --collective {collective} --algorithms ...,{algorithm})")
         return c.time(f["alpha_us"], f["beta_us_per_byte"], f["gamma_us_per_byte"])
     link = prof.link
-    c = algorithms.get(algorithm).cost(p, nbytes)
     gamma = 3 / (prof.memory_bandwidth_gbps * 1e3)  # a reduced byte: two reads and a write of device memory
     return link["call_latency_us"] + c.time(link["step_latency_us"], 1 / (link["gbps"] * 1e3), gamma)
+
+
+def allreduce_us(prof: Profile, algorithm: str, p: int, nbytes: float) -> float:
+    return collective_us(prof, "all_reduce", algorithm, p, nbytes)
 
 
 def buckets(params: list[int], cap_mb: float, order: list[int] | None = None) -> list[list[int]]:
@@ -196,12 +216,18 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
     info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / 1e3,
             "buckets": len(bks),
             "per_device_batch": b}
+    # compare's tensor bytes: parameters, gradients, DDP's bucket copies of them
+    # (gradient_as_bucket_view=False; the reducer holds them in every DDP mode), optimizer state.
+    held = {"parameters": st.param_bytes, "gathered": 0, "gradients": st.param_bytes,
+            "optimizer_state": state_bytes(st), "buckets": st.param_bytes}
+    comm = st.param_bytes if bks else 0
     if prof.device == "cpu":  # compare reports peak RSS (interpreter and torch too) and CPU time: not modelled
-        return _row(mode, s, it, [None] * p, [None] * p, total, exposed, info)
+        return _row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm)
     # Weights, the step's peak of everything else (activations, gradients, temporaries), the
-    # input batch, and DDP's bucket copies of the gradients (gradient_as_bucket_view=False).
-    mem = st.param_bytes + st.buffers_bytes + st.peak_bytes + st.input_bytes + (st.param_bytes if bks else 0)
-    return _row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info)
+    # input batch, DDP's bucket copies of the gradients and the optimizer's state.
+    mem = st.param_bytes + st.buffers_bytes + st.peak_bytes + st.input_bytes + (st.param_bytes if bks else 0) \
+        + state_bytes(st)
+    return _row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm)
 
 
 def predict_dp(s: Setup, prof: Profile, steps: Steps) -> dict:
@@ -232,16 +258,30 @@ def predict_dp(s: Setup, prof: Profile, steps: Steps) -> dict:
                  "reduce_ms": reduce / 1e3, "per_device_batch": b})
 
 
-def _row(mode, s, it_us, mem, util, total_us, exposed_us, breakdown) -> dict:
-    return {"mode": mode, "status": "ok", "reason": "", "predicted": True,
-            "iter_ms": {"median": it_us / 1e3, "p90": it_us / 1e3},
-            "samples_per_s": s.batch_size / (it_us / 1e6),
-            "peak_memory_mb": [None if m is None else m / 2**20 for m in mem], "util_percent": util,
-            "grad_sync_ms": {"total": total_us / 1e3, "exposed": exposed_us / 1e3},
-            "final_loss": None, "breakdown": breakdown}
+STATE_PER_PARAM_BYTE = {"sgd": 0.0, "adamw": 2.0}  # AdamW keeps exp_avg and exp_avg_sq, each a parameter's size
+
+
+def state_bytes(st: Step) -> float:
+    return STATE_PER_PARAM_BYTE[st.optimizer] * st.param_bytes
+
+
+def _row(mode, s, it_us, mem, util, total_us, exposed_us, breakdown, held=None, comm_bytes=None) -> dict:
+    row = {"mode": mode, "status": "ok", "reason": "", "predicted": True,
+           "iter_ms": {"median": it_us / 1e3, "p90": it_us / 1e3},
+           "samples_per_s": s.batch_size / (it_us / 1e6),
+           "peak_memory_mb": [None if m is None else m / 2**20 for m in mem], "util_percent": util,
+           "grad_sync_ms": {"total": total_us / 1e3, "exposed": exposed_us / 1e3},
+           "final_loss": None, "breakdown": breakdown}
+    if held is not None:  # compare's tensor-bytes row: what each rank holds at its peak, by category
+        row["tensor_mb"] = sum(held.values()) / 2**20
+        row["tensor_breakdown_mb"] = {k: v / 2**20 for k, v in held.items()}
+        row["comm_mb"] = comm_bytes / 2**20
+    return row
 
 
 def predict(modes: list[str], s: Setup, prof: Profile, steps: Steps | None = None) -> list[dict]:
+    from commlab.training.predict import sharded
+
     steps = steps or Steps(s)
     out = []
     for mode in modes:
@@ -256,9 +296,15 @@ def predict(modes: list[str], s: Setup, prof: Profile, steps: Steps | None = Non
                 out.append(predict_ddp(mode, s, prof, steps))
             except ValueError as e:
                 out.append({"mode": mode, "status": "unavailable", "predicted": True, "reason": str(e)})
+        elif sharded.is_sharded(mode):
+            try:
+                out.append(sharded.predict(mode, s, prof, steps))
+            except ValueError as e:
+                out.append({"mode": mode, "status": "unavailable", "predicted": True, "reason": str(e)})
         else:
             out.append({"mode": mode, "status": "unavailable", "predicted": True,
-                        "reason": "predicted modes: dp, ddp, ddp:<algorithm>, ddp:noop"})
+                        "reason": "predicted modes: dp, ddp, ddp:<algorithm>, ddp:noop, zero1, fsdp, fsdp:noreshard, "
+                                  "fsdp:<algorithm>"})
     return out
 
 

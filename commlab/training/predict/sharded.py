@@ -1,0 +1,228 @@
+"""ZeRO-1 and FSDP predicted, with compare's modes and keys.
+
+- `zero1`: DDP's buckets as `ddp` (all-reduced as gradients become ready), the
+  optimizer stepping 1/p of the parameters, then every parameter broadcast from the rank
+  that owns it (torch's ZeroRedundancyOptimizer: one broadcast per parameter, blocking).
+- `fsdp`, `fsdp:<algorithm>`, `fsdp:noreshard`: FSDP2 with `fully_shard` per block and on
+  the root. One schedule of a step: the root gathered first and kept to the end of
+  backward; each block all-gathered before its forward (issued one block ahead where
+  collectives overlap compute, as FSDP2's streams do on a GPU; on demand where they do
+  not), resharded after it unless noreshard, gathered again before its backward (the
+  next block's prefetched at each block's backward, FSDP2's default), its gradients
+  reduce-scattered as soon as they are complete; the optimizer steps the shards after
+  the last reduce-scatter. Collectives run one at a time on the link, compute one op at
+  a time, each waiting for what it needs; where ranks outnumber cores nothing overlaps.
+
+Memory is compare's tensor bytes followed through that schedule (parameters or their
+shards, gathered units, full gradients of a unit until its reduce-scatter ends, the
+gradient shards, optimizer state, DDP's buckets), its peak reported with the breakdown
+at that moment; on a GPU the step's activations and the input are added."""
+from __future__ import annotations
+
+from commlab.training.predict.graph import Step
+
+# ZeroRedundancyOptimizer's broadcasts: gloo's (binomial) on CPU; NCCL's pipelined ring on a GPU, the chain's formula.
+BROADCAST = {"cpu": "builtin", "cuda": "chain"}
+
+
+def is_sharded(mode: str) -> bool:
+    return mode == "zero1" or mode == "fsdp" or mode.startswith("fsdp:")
+
+
+def fsdp_algorithm(mode: str) -> str:
+    """The all-gather / reduce-scatter algorithm an fsdp mode names (builtin: FSDP2's own)."""
+    rest = mode.split(":", 1)[1] if ":" in mode else ""
+    return "builtin" if rest in ("", "noreshard") else rest
+
+
+class Timeline:
+    """Compute ops on one clock, collectives on another (the link), or both on one
+    where they cannot overlap."""
+
+    def __init__(self, overlap: bool):
+        self.overlap, self.compute, self.link, self.comm_us = overlap, 0.0, 0.0, 0.0
+
+    def collective(self, issued_at: float, cost_us: float) -> tuple[float, float]:
+        start = max(self.link, issued_at) if self.overlap else max(self.link, issued_at, self.compute)
+        end = start + cost_us
+        self.link, self.comm_us = end, self.comm_us + cost_us
+        if not self.overlap:
+            self.compute = end
+        return start, end
+
+    def wait(self, until: float) -> None:
+        self.compute = max(self.compute, until)
+
+    def run(self, us: float) -> None:
+        self.compute += us
+        if not self.overlap:
+            self.link = self.compute
+
+
+class Held:
+    """Tensor bytes as intervals [start, end) by category; the peak is at some interval's start."""
+
+    def __init__(self):
+        self.spans: list[tuple[float, float, str, float]] = []
+
+    def add(self, category: str, nbytes: float, start: float, end: float = float("inf")) -> None:
+        if nbytes:
+            self.spans.append((start, end, category, nbytes))
+
+    def peak(self) -> dict:
+        best, at = -1.0, {}
+        for t in sorted({s for s, _, _, _ in self.spans}):
+            got = {"parameters": 0.0, "gathered": 0.0, "gradients": 0.0, "optimizer_state": 0.0, "buckets": 0.0}
+            for s, e, c, n in self.spans:
+                if s <= t < e:
+                    got[c] += n
+            if sum(got.values()) > best:
+                best, at = sum(got.values()), got
+        return at
+
+
+def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us) -> tuple[float, dict, float, dict]:
+    """One FSDP step: (iteration µs, tensor bytes at the peak, bytes communicated, schedule facts)."""
+    algorithm, reshard = fsdp_algorithm(mode), mode != "fsdp:noreshard"
+    blocks, root = [u for u in st.units[:-1] if u.params], st.units[-1]
+    size = [sum(st.params[i] for i in u.params) for u in blocks]
+    root_bytes = sum(st.params[i] for i in root.params)
+    n_fwd = sum(1 for o in st.ops if o.phase == "fwd")
+    n_bwd = n_fwd + sum(1 for o in st.ops if o.phase == "bwd")
+    ready = [max(st.grad_ready.get(i, n_bwd) for i in u.params) for u in blocks]  # a block's gradients complete
+    ag = lambda n: collective_us(prof, "all_gather", algorithm, p, n)  # noqa: E731
+    rs = lambda n: collective_us(prof, "reduce_scatter", algorithm, p, n)  # noqa: E731
+    tl, held, comm = Timeline(prof.overlap), Held(), 0.0
+    state = {"sgd": 0.0, "adamw": 2.0}[st.optimizer] * st.param_bytes
+    held.add("parameters", st.param_bytes / p, -1.0)
+    held.add("optimizer_state", state / p, -1.0)
+    held.add("gradients", st.param_bytes / p, -1.0, 0.0)  # the last step's shards, until zero_grad
+    # Forward: the root first, then each block gathered before its first op.
+    if root_bytes:
+        _, end = tl.collective(0.0, ag(root_bytes))
+        comm += root_bytes
+        tl.wait(end)
+    gathered_end = [0.0] * len(blocks)  # when each block's forward-gathered parameters are freed
+    ag_fwd: dict[int, tuple[float, float]] = {}  # block -> (issued, done)
+    prefetch = prof.overlap  # FSDP2 issues the next block's all-gather early only where it has streams
+    starts = {u.fwd[0]: k for k, u in enumerate(blocks)}
+    ends = {u.fwd[1]: k for k, u in enumerate(blocks)}
+
+    def gather_fwd(k: int, at: float) -> None:
+        if k < len(blocks) and k not in ag_fwd:
+            issued = at
+            ag_fwd[k] = (issued, tl.collective(issued, ag(size[k]))[1])
+
+    for i in range(n_fwd):
+        if i in ends:
+            gathered_end[ends[i]] = tl.compute
+        if i in starts:
+            k = starts[i]
+            gather_fwd(k, tl.compute)
+            tl.wait(ag_fwd[k][1])
+            if prefetch:
+                gather_fwd(k + 1, tl.compute)
+        tl.run(t[i])
+    for k in range(len(blocks)):
+        comm += size[k]
+        if not gathered_end[k]:
+            gathered_end[k] = tl.compute
+    fwd_done = tl.compute
+    # Backward: blocks in reverse; each needs its parameters (gathered again if resharded)
+    # before its first op, the previous block's gathered at its start (prefetch).
+    bwd_start = {k: (ready[k + 1] if k + 1 < len(blocks) else n_fwd) for k in range(len(blocks))}
+    order = sorted(range(len(blocks)), key=lambda k: bwd_start[k])
+    ag_bwd: dict[int, tuple[float, float]] = {}
+    at_op = {}
+    for k in order:
+        at_op.setdefault(bwd_start[k], []).append(k)
+    done_at = {}
+    for k in range(len(blocks)):
+        done_at.setdefault(ready[k], []).append(k)
+    rs_end: dict[int, float] = {}
+    begun: dict[int, float] = {}
+
+    def gather_bwd(k: int, at: float) -> None:
+        if reshard and 0 <= k and k not in ag_bwd:
+            ag_bwd[k] = (at, tl.collective(at, ag(size[k]))[1])
+
+    def finish(k: int) -> None:  # a block's gradients complete: reduce-scatter, reshard
+        _, end = tl.collective(tl.compute, rs(size[k]))
+        rs_end[k] = end
+        held.add("gradients", size[k], begun[k], end)  # the unit's full gradients until reduced
+        held.add("gradients", size[k] / p, end)
+        if reshard:
+            held.add("gathered", size[k], ag_bwd[k][0], tl.compute)
+            held.add("gathered", size[k], ag_fwd[k][0], gathered_end[k])
+        else:
+            held.add("gathered", size[k], ag_fwd[k][0], tl.compute)
+
+    for i in range(n_fwd, n_bwd + 1):
+        for k in done_at.get(i, []):
+            finish(k)
+        if i == n_bwd:
+            break
+        for k in at_op.get(i, []):
+            gather_bwd(k, tl.compute)
+            tl.wait(ag_bwd[k][1] if reshard else 0.0)
+            begun[k] = tl.compute
+            gather_bwd(k - 1, tl.compute)
+        tl.run(t[i])
+    for k in range(len(blocks)):  # blocks whose gradients the trace never saw complete
+        if k not in rs_end:
+            begun.setdefault(k, tl.compute)
+            finish(k)
+    if root_bytes:
+        _, end = tl.collective(tl.compute, rs(root_bytes))
+        rs_end[-1] = end
+        held.add("gathered", root_bytes, 0.0, tl.compute)
+        held.add("gradients", root_bytes, fwd_done, end)
+        held.add("gradients", root_bytes / p, end)
+        comm += root_bytes
+    comm += 2 * sum(size) if reshard else sum(size)  # backward's gathers (resharded) and the reduce-scatters
+    tl.wait(max(rs_end.values(), default=0.0))  # FSDP2 waits for every reduce-scatter before the step
+    opt = sum(x for x, o in zip(t, st.ops) if o.phase == "opt") / p  # the optimizer steps the shards
+    tl.run(opt)
+    return tl.compute, held.peak(), comm, {"optimizer_ms": opt / 1e3, "units": len(blocks) + bool(root_bytes),
+                                          "largest_unit_mb": max(size, default=0) / 2**20, "comm_us": tl.comm_us}
+
+
+def predict(mode: str, s, prof, steps) -> dict:
+    from commlab.training.predict import model as M
+
+    p = s.world
+    if mode.startswith("fsdp:") and mode != "fsdp:noreshard":
+        from commlab import algorithms
+
+        alg = fsdp_algorithm(mode)
+        for family in ("all_gather", "reduce_scatter"):
+            if alg not in algorithms.registry(family).names():
+                raise ValueError(f"no {family} algorithm {alg!r}")
+    b, st, t, fwd, bwd, opt = M._step_times(s, prof, steps)
+    state = M.state_bytes(st)
+    compute = fwd + bwd
+    if mode == "zero1":
+        ddp = M.predict_ddp("ddp", s, prof, steps)
+        ddp_it, ddp_total, ddp_exposed = (ddp["iter_ms"]["median"] * 1e3, ddp["grad_sync_ms"]["total"] * 1e3,
+                                          ddp["grad_sync_ms"]["exposed"] * 1e3)
+        # Every parameter broadcast from its owner after the step: one call each, blocking.
+        bcast = sum(M.collective_us(prof, "broadcast", BROADCAST[prof.device], p, n) for n in st.params)
+        it = ddp_it - opt + opt / p + bcast
+        total, exposed = ddp_total + bcast, ddp_exposed + bcast
+        held = {"parameters": st.param_bytes, "gathered": 0.0, "gradients": st.param_bytes,
+                "optimizer_state": state / p, "buckets": st.param_bytes}
+        comm = 2 * st.param_bytes
+        info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / p / 1e3,
+                "broadcast_ms": bcast / 1e3, "per_device_batch": b}
+    else:
+        it, held, comm, facts = _fsdp(mode, p, st, t, prof, M.collective_us)
+        total, exposed = facts.pop("comm_us"), it - compute - facts["optimizer_ms"] * 1e3
+        info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, **facts, "per_device_batch": b}
+    busy = 100.0  # as predict_ddp's: NVML counts a collective's kernels as busy, and nothing else waits
+    if prof.device == "cpu":
+        return M._row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm)
+    # On a GPU: what the step itself allocates beyond parameters and gradients
+    # (activations, temporaries) and the input, beside the tensors held.
+    mem = sum(held.values()) + st.activation_bytes + st.input_bytes + st.buffers_bytes
+    return M._row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm)
+
