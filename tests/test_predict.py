@@ -112,6 +112,18 @@ def test_a_faster_link_shrinks_only_communication():
     assert a[0]["breakdown"]["backward_ms"] == b[0]["breakdown"]["backward_ms"]
 
 
+def test_the_peak_at_a_larger_batch_is_the_one_traced_there():
+    """At a small batch the gradients make the step's peak, at a large one the
+    activations: one line through the two traced peaks put a transformer's 8 % low at
+    2.5x the batch and further below beyond (--find-max-batch 40x too high for a 1.3B
+    model on a 4090); each moment's bytes, followed one by one, give the traced peak."""
+    s = M.Setup("transformer", world=1, batch_size=2, width=256, depth=4)
+    steps = M.Steps(s)
+    for b in (2, 5, 32):
+        assert steps.at(b).peak_bytes == pytest.approx(trace("transformer", b, width=256, depth=4).peak_bytes,
+                                                       rel=1e-6), b
+
+
 def _sharded(prof, modes=("ddp", "zero1", "fsdp", "fsdp:noreshard", "fsdp:ring"), p=4):
     s = M.Setup("transformer", world=p, batch_size=16, width=256, depth=4, optimizer="adamw")
     steps = M.Steps(s)
