@@ -56,6 +56,45 @@ def test_advise_from_measurements(tmp_path):
     assert proc.returncode == 0 and "fastest: ddp" in proc.stdout and "DDP strongly recommended" in proc.stdout
 
 
+def _row(mode, ms, mb, comm=0.0, state=0.0):
+    return {"mode": mode, "status": "ok", "iter_ms": {"median": ms, "p90": ms}, "peak_memory_mb": [mb] * 4,
+            "comm_mb": comm, "tensor_mb": mb, "tensor_breakdown_mb": {"optimizer_state": state}}
+
+
+@pytest.mark.parametrize("limit,verdict,rules", [
+    # Everything fits: DDP is fastest, and sharding's extra bytes are what it costs.
+    (30000, "DDP", {"the fastest that fits"}),
+    # DDP no longer fits; the optimizer state divided is enough, but FSDP without
+    # resharding fits too and is faster.
+    (18000, "FSDP without resharding (ZeRO-2-like)", {"model + optimizer state above a device",
+                                                     "sharding the optimizer state brings it under",
+                                                     "FSDP's second all-gather costs more than it saves"}),
+    # Only resharding fits.
+    (8000, "FSDP (ZeRO-3)", {"model + optimizer state above a device", "only resharding fits"}),
+    (1000, "nothing fits", {"every mode above the limit"}),
+])
+def test_sharding_decision_is_the_fastest_mode_that_fits_with_its_reasons(limit, verdict, rules):
+    rows = [_row("ddp", 100.0, 23000, 4600, 9000), _row("zero1", 130.0, 17000, 9200),
+            _row("fsdp:noreshard", 110.0, 9600, 9200), _row("fsdp", 140.0, 6600, 13800)]
+    got, findings = advise.sharding(rows, limit)
+    assert got == verdict
+    assert rules <= {f.rule for f in findings}, findings
+    assert all(f.reason for f in findings)
+    fit = {f.rule.split()[0]: f.verdict for f in findings if f.rule.endswith(" memory")}
+    assert fit == {m: "fits" if mb <= limit else "does not fit"
+                   for m, mb in (("ddp", 23000), ("zero1", 17000), ("fsdp:noreshard", 9600), ("fsdp", 6600))}
+
+
+def test_advise_sharding_cli_predicts_a_gpu_profile():
+    proc = subprocess.run([sys.executable, "-m", "commlab.advise", "--hardware", "rtx4090-pcie4", "--gpus", "4",
+                           "--model", "transformer", "--width", "256", "--depth", "2", "--mem-limit-mb", "40"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "# DDP, ZeRO-1/2 or FSDP (predicted on rtx4090-pcie4):" in proc.stdout
+    for mode in ("ddp memory", "zero1 memory", "fsdp:noreshard memory", "fsdp memory"):
+        assert mode in proc.stdout
+
+
 @pytest.mark.slow
 def test_doctor_cli_smoke_tests_every_algorithm():
     import commlab

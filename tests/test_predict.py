@@ -185,6 +185,41 @@ def test_fsdp_schedule_hides_its_collectives_only_where_they_can_overlap():
     assert bad["fsdp:nope"]["status"] == "unavailable" and "nope" in bad["fsdp:nope"]["reason"]
 
 
+def test_this_host_fits_every_collective_the_sharded_modes_use():
+    """compare --predict this-host benches what each mode calls (all-reduce for DDP's
+    buckets, broadcast for ZeRO-1's parameters, all-gather and reduce-scatter by the
+    fsdp mode's algorithm) and predicts from those fits; with ranks outnumbering cores
+    every FSDP collective is exposed, its time the fitted formulas' sum."""
+    from commlab import algorithms
+    from commlab.training.compare.cli import host_collectives
+
+    assert host_collectives(["ddp", "ddp:ring", "zero1", "fsdp", "fsdp:shm", "fsdp:noreshard"]) == {
+        "all_reduce": ["builtin", "ring"], "broadcast": ["builtin"],
+        "all_gather": ["builtin", "shm"], "reduce_scatter": ["builtin", "shm"]}
+    p, a, b = 4, 30.0, 2e-3  # α µs, β µs/B: what the synthetic benches below are made of
+
+    def bench(collective, names):
+        rows = [{"algorithm": n, "bytes": x, "time_us": algorithms.registry(collective).get(n).cost(p, x).time(a, b, 0.0)}
+                for n in names for x in (4096, 65536, 1 << 20, 16 << 20)]
+        return {"collective": collective, "env": {"world_size": p, "gamma_us_per_byte": 3e-4}, "results": rows}
+
+    benches = [bench(c, names) for c, names in host_collectives(["ddp", "zero1", "fsdp:shm"]).items()]
+    prof = M.this_host(benches, compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0)
+    assert prof.fits["all_gather"]["shm"]["alpha_us"] == pytest.approx(a, rel=1e-3)
+    s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
+    steps = M.Steps(s)
+    row = M.predict(["fsdp:shm"], s, prof, steps)[0]
+    st = steps.at(2)
+    sizes = [sum(st.params[i] for i in u.params) for u in st.units]  # blocks, then the root
+    cost = lambda c, n: algorithms.registry(c).get("shm").cost(p, n).time(a, b, 0.0)  # noqa: E731
+    want = sum(2 * cost("all_gather", n) + cost("reduce_scatter", n) for n in sizes[:-1]) \
+        + cost("all_gather", sizes[-1]) + cost("reduce_scatter", sizes[-1]) + 5.0e3
+    assert row["grad_sync_ms"]["total"] * 1e3 == pytest.approx(want, rel=1e-6)
+    assert row["grad_sync_ms"]["exposed"] == pytest.approx(row["grad_sync_ms"]["total"])
+    # The measured step, less three quarters of its optimizer, plus the collectives and FSDP's copies.
+    assert row["iter_ms"]["median"] > 500.0 - 0.75 * 50.0 + (want - 5.0e3) / 1e3
+
+
 @pytest.mark.parametrize("name", M.profile_names())
 def test_every_profile_cites_its_numbers(name):
     prof = M.load_profile(name)

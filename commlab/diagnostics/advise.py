@@ -3,11 +3,19 @@
     python -m commlab.advise --gpus 4 --nodes 1 --amp
     python -m commlab.advise --gpus 2 --batch-size 64 --iter-ms 80
     python -m commlab.advise --from compare.json       # measured numbers replace rules of thumb
+    python -m commlab.advise --hardware rtx4090-pcie4 --gpus 4 --model transformer --width 2048 --depth 24
+                                                       # DDP, ZeRO-1/2 or FSDP, on predicted numbers
 
 The rules (seed, section 5): more than one node -> DDP required; >= 4 GPUs on a node
 -> DDP strongly recommended; model memory above half a card -> DDP required; mixed
 precision -> DDP recommended; small experiments (2-3 GPUs, per-card batch <= 32,
 iteration < 100 ms, no custom C++ extensions) -> DataParallel acceptable.
+
+The question as it is asked today, DDP or ZeRO-1/2 or FSDP (ZeRO-3), is decided on
+numbers, predicted for a hardware profile (--hardware) or measured (--from a compare run
+of those modes): the fastest mode whose memory fits a device, with the reason each
+other mode loses — DDP no longer fits, ZeRO-1/2 is enough, FSDP's second all-gather
+costs more than the memory it saves.
 """
 from __future__ import annotations
 
@@ -102,6 +110,91 @@ def from_compare(doc: dict) -> list[str]:
     return lines
 
 
+SHARDING = {"ddp": "DDP", "zero1": "ZeRO-1 (DDP + ZeroRedundancyOptimizer)",
+            "fsdp:noreshard": "FSDP without resharding (ZeRO-2-like)", "fsdp": "FSDP (ZeRO-3)"}
+
+
+def _memory_mb(m: dict) -> float:
+    """A device's memory: the predicted or measured GPU peak; on CPU the tensor bytes
+    (the process RSS hides sharding under the interpreter)."""
+    peaks = [x for x in m.get("peak_memory_mb") or [] if x is not None]
+    return max(peaks) if peaks and m.get("device", "cuda") == "cuda" else m.get("tensor_mb") or 0.0
+
+
+def sharding(rows: list[dict], limit_mb: float | None, device: str = "cuda") -> tuple[str, list[Finding]]:
+    """(the mode to use, every reason) from rows of ddp, zero1, fsdp:noreshard and fsdp
+    (commlab.predict's or commlab.compare's): the fastest that fits limit_mb per device
+    (None: memory does not decide)."""
+    ok = {m["mode"]: dict(m, device=device) for m in rows if m.get("status") == "ok" and m["mode"] in SHARDING}
+    if not ok:
+        raise ValueError("no row of ddp, zero1, fsdp:noreshard or fsdp to decide on")
+    mem = {k: _memory_mb(m) for k, m in ok.items()}
+    ms = {k: m["iter_ms"]["median"] for k, m in ok.items()}
+    fits = {k: limit_mb is None or mem[k] <= limit_mb for k in ok}
+    unit = "MB of tensors" if device == "cpu" else "MB"
+    out: list[Finding] = []
+    cap = f" of {limit_mb:.0f} MB" if limit_mb else ""
+    for k in ok:
+        out.append(Finding("fits" if fits[k] else "does not fit", f"{k} memory",
+                           f"{SHARDING[k]}: {mem[k]:.0f} {unit} per device{cap}, {ms[k]:.1f} ms per iteration, "
+                           f"{ok[k].get('comm_mb') or 0:.0f} MB on the wire per step"))
+    candidates = [k for k in ok if fits[k]]
+    if not candidates:
+        least = min(ok, key=mem.get)
+        out.append(Finding("nothing fits", "every mode above the limit",
+                           f"even {SHARDING[least]} needs {mem[least]:.0f} MB: shard over more devices, checkpoint "
+                           f"activations, mixed precision or a smaller batch"))
+        return "nothing fits", out
+    best = min(candidates, key=ms.get)
+    if "ddp" in ok and not fits["ddp"]:
+        state = (ok["ddp"].get("tensor_breakdown_mb") or {}).get("optimizer_state", 0.0)
+        out.append(Finding("DDP does not fit", "model + optimizer state above a device",
+                           f"DDP holds every parameter, gradient, bucket copy and the optimizer state ({state:.0f} MB) "
+                           f"on each device: {mem['ddp']:.0f} MB{cap}"))
+        if "zero1" in ok and fits["zero1"]:
+            extra = ms["zero1"] - ms["ddp"]
+            out.append(Finding("ZeRO-1/2 is enough", "sharding the optimizer state brings it under",
+                               f"{mem['zero1']:.0f} MB with the optimizer state divided over the devices, "
+                               f"{extra:+.1f} ms per iteration against DDP for its parameter broadcasts"))
+    if "fsdp" in ok and "fsdp:noreshard" in ok:
+        saved, cost = mem["fsdp:noreshard"] - mem["fsdp"], ms["fsdp"] - ms["fsdp:noreshard"]
+        if fits["fsdp:noreshard"] and cost > 0:
+            out.append(Finding("reshard only if needed", "FSDP's second all-gather costs more than it saves",
+                               f"resharding after forward saves {saved:.0f} MB per device but gathers every block "
+                               f"again in backward ({ok['fsdp'].get('comm_mb', 0) - ok['fsdp:noreshard'].get('comm_mb', 0):.0f}"
+                               f" MB more on the wire): {cost:+.1f} ms per iteration, and without it the step fits"))
+        elif not fits["fsdp:noreshard"] and fits["fsdp"]:
+            out.append(Finding("FSDP required", "only resharding fits",
+                               f"keeping every block gathered needs {mem['fsdp:noreshard']:.0f} MB{cap}; resharding "
+                               f"brings it to {mem['fsdp']:.0f} MB at {cost:+.1f} ms per iteration"))
+    if "ddp" in ok and best != "ddp":
+        gain = ms["ddp"] / ms[best]
+        why = ("its optimizer steps 1/p of the parameters and its collectives overlap compute" if gain > 1
+               else "DDP does not fit" if not fits["ddp"] else "")
+        out.append(Finding(SHARDING[best], "the fastest that fits",
+                           f"{ms[best]:.1f} ms per iteration, {gain:.2f}x DDP's speed" + (f": {why}" if why else "")))
+    else:
+        slower = {k: ms[k] - ms[best] for k in candidates if k != best}
+        out.append(Finding(SHARDING[best], "the fastest that fits",
+                           f"{ms[best]:.1f} ms per iteration; sharding adds " +
+                           ", ".join(f"{SHARDING[k]} {v:+.1f} ms" for k, v in slower.items()) +
+                           " (more bytes on the wire, the same compute)" if slower else f"{ms[best]:.1f} ms"))
+    return SHARDING[best], out
+
+
+def predicted_sharding(hardware: str, gpus: int, model: str, batch_size: int, width: int = 1024, depth: int = 4,
+                       amp: str | None = None, mem_limit_mb: float | None = None) -> tuple[str, list[Finding], list]:
+    from commlab.training.predict import model as M
+
+    prof = M.load_profile(hardware)
+    s = M.Setup(model=model, world=gpus, batch_size=batch_size, amp=amp, width=width, depth=depth,
+                optimizer="adamw")
+    rows = M.predict(list(SHARDING), s, prof)
+    limit = mem_limit_mb or (prof.memory_bytes / 2**20 if prof.device == "cuda" else None)
+    verdict, findings = sharding(rows, limit, prof.device)
+    return verdict, findings, rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m commlab.advise", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,6 +206,13 @@ def main(argv=None) -> int:
     ap.add_argument("--iter-ms", type=float, help="time of one training iteration")
     ap.add_argument("--custom-cpp", action="store_true", help="the model uses custom C++/CUDA extensions")
     ap.add_argument("--from", dest="source", help="a commlab.compare --json result: decide on measurements")
+    ap.add_argument("--hardware", help="a commlab.predict profile: DDP vs ZeRO-1/2 vs FSDP predicted on it (with "
+                    "--gpus, --model, --width, --depth, --batch-size; AdamW)")
+    ap.add_argument("--model", default="transformer")
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--mem-limit-mb", type=float, help="memory per device (default: the profile's; measured CPU runs: "
+                    "none, memory does not decide)")
     args = ap.parse_args(argv)
     if args.source:
         with open(args.source) as f:
@@ -120,8 +220,22 @@ def main(argv=None) -> int:
         print("# measured (commlab.compare):")
         for line in from_compare(doc):
             print("  " + line)
+        if any(m.get("mode") in SHARDING and m["mode"] != "ddp" for m in doc.get("modes", [])):
+            measured = [m for m in doc["modes"] if not m.get("predicted")]
+            verdict, findings = sharding(measured, args.mem_limit_mb, doc.get("env", {}).get("device", "cuda"))
+            _print_sharding("measured", verdict, findings)
         if args.gpus is None:
             return 0
+    if args.hardware:
+        if args.gpus is None:
+            ap.error("--hardware needs --gpus")
+        try:
+            verdict, findings, _ = predicted_sharding(args.hardware, args.gpus, args.model,
+                                                      args.batch_size or 8 * args.gpus, args.width, args.depth,
+                                                      "bf16" if args.amp else None, args.mem_limit_mb)
+        except ValueError as e:
+            ap.error(str(e))
+        _print_sharding(f"predicted on {args.hardware}", verdict, findings)
     if args.gpus is None:
         ap.error("--gpus is required (or --from)")
     verdict, findings = decide(args.gpus, args.nodes, args.model_mem_frac, args.amp, args.batch_size, args.iter_ms,
@@ -130,6 +244,12 @@ def main(argv=None) -> int:
     for f in findings:
         print(f"  [{f.verdict}] {f.rule}: {f.reason}")
     return 0
+
+
+def _print_sharding(what: str, verdict: str, findings: list[Finding]) -> None:
+    print(f"# DDP, ZeRO-1/2 or FSDP ({what}): {verdict}")
+    for f in findings:
+        print(f"  [{f.verdict}] {f.rule}: {f.reason}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ same model from the same seed on the same synthetic data.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -146,7 +147,10 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
                            noop.get("arrival_skew_ms", 0.0), noop.get("optimizer_ms"))
     else:
         prof = M.load_profile(profile)
-    return M.predict(wanted, s, prof)
+    rows = M.predict(wanted, s, prof)
+    for r in rows:  # what it was predicted from (this-host: the fits, the compute step), with every row
+        r["profile"] = dataclasses.asdict(prof)
+    return rows
 
 
 def host_collectives(modes: list[str]) -> dict[str, list[str]]:

@@ -34,6 +34,7 @@ class Profile:
     overlap: bool = True  # False where ranks outnumber cores: communication takes the cores backward needs
     arrival_skew_ms: float = 0.0  # how far apart ranks reach their first bucket (ddp:noop): the first to arrive waits
     optimizer_ms: float | None = None  # of compute_ms, the optimizer step (ddp:noop): shared out by bytes, not FLOPs
+    copy_us_per_byte: float | None = None  # this host: a byte read or written by a copy (a third of the bench's γ)
 
 
 def profile_names() -> list[str]:
@@ -56,6 +57,7 @@ def this_host(benches: list[dict], compute_ms: float, ranks: int, cores: int, ar
     from commlab.measure import costmodel
 
     fits: dict = {}
+    gammas = [b["env"]["gamma_us_per_byte"] for b in benches if b["env"].get("gamma_us_per_byte")]
     for bench in benches:
         p, collective = int(bench["env"]["world_size"]), bench.get("collective", "all_reduce")
         got = costmodel.fit([(r["algorithm"], p, r["bytes"], r["time_us"]) for r in bench["results"]],
@@ -66,6 +68,8 @@ def this_host(benches: list[dict], compute_ms: float, ranks: int, cores: int, ar
                    device="cpu", memory_bytes=0.0, memory_bandwidth_gbps=0.0, peak_tflops={}, link={},
                    compute_ms=compute_ms, overlap=ranks < cores, arrival_skew_ms=arrival_skew_ms or 0.0, fits=fits,
                    optimizer_ms=optimizer_ms,
+                   # γ: one element-wise SUM per byte of input, three bytes of traffic (two reads, one write)
+                   copy_us_per_byte=gammas[0] / 3 if gammas else None,
                    sources=[{"what": ", ".join(fits), "source": "commlab.allreduce_bench at this world size, fitted"},
                             {"what": "compute_ms", "source": "commlab.compare's ddp:noop in the same run"}])
 
@@ -151,6 +155,14 @@ def collective_us(prof: Profile, collective: str, algorithm: str, p: int, nbytes
     link = prof.link
     gamma = 3 / (prof.memory_bandwidth_gbps * 1e3)  # a reduced byte: two reads and a write of device memory
     return link["call_latency_us"] + c.time(link["step_latency_us"], 1 / (link["gbps"] * 1e3), gamma)
+
+
+def copy_us(prof: Profile, traffic_bytes: float) -> float:
+    """Bytes read and written by memory copies: at the profile's memory bandwidth, or
+    this host's measured rate."""
+    if prof.compute_ms is not None:
+        return traffic_bytes * (prof.copy_us_per_byte or 0.0)
+    return traffic_bytes / (prof.memory_bandwidth_gbps * 1e3)
 
 
 def allreduce_us(prof: Profile, algorithm: str, p: int, nbytes: float) -> float:

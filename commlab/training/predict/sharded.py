@@ -42,10 +42,12 @@ class Timeline:
     def __init__(self, overlap: bool):
         self.overlap, self.compute, self.link, self.comm_us = overlap, 0.0, 0.0, 0.0
 
-    def collective(self, issued_at: float, cost_us: float) -> tuple[float, float]:
+    def collective(self, issued_at: float, cost: tuple[float, float]) -> tuple[float, float]:
+        """cost: (the collective, the copies around it) in µs; comm_us counts the first,
+        as compare times the call."""
         start = max(self.link, issued_at) if self.overlap else max(self.link, issued_at, self.compute)
-        end = start + cost_us
-        self.link, self.comm_us = end, self.comm_us + cost_us
+        end = start + sum(cost)
+        self.link, self.comm_us = end, self.comm_us + cost[0]
         if not self.overlap:
             self.compute = end
         return start, end
@@ -90,8 +92,13 @@ def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us) -> t
     n_fwd = sum(1 for o in st.ops if o.phase == "fwd")
     n_bwd = n_fwd + sum(1 for o in st.ops if o.phase == "bwd")
     ready = [max(st.grad_ready.get(i, n_bwd) for i in u.params) for u in blocks]  # a block's gradients complete
-    ag = lambda n: collective_us(prof, "all_gather", algorithm, p, n)  # noqa: E731
-    rs = lambda n: collective_us(prof, "reduce_scatter", algorithm, p, n)  # noqa: E731
+    from commlab.training.predict.model import copy_us
+
+    # FSDP2 copies around each collective: the shard into the all-gather input and the
+    # output out to the parameters (u/p + u, each read and written); the gradients into
+    # the reduce-scatter input and the result out to the shard (u + u/p).
+    ag = lambda n: (collective_us(prof, "all_gather", algorithm, p, n), copy_us(prof, 2 * (n / p + n)))  # noqa: E731
+    rs = lambda n: (collective_us(prof, "reduce_scatter", algorithm, p, n), copy_us(prof, 2 * (n + n / p)))  # noqa: E731
     tl, held, comm = Timeline(prof.overlap), Held(), 0.0
     state = {"sgd": 0.0, "adamw": 2.0}[st.optimizer] * st.param_bytes
     held.add("parameters", st.param_bytes / p, -1.0)
@@ -216,7 +223,10 @@ def predict(mode: str, s, prof, steps) -> dict:
                 "broadcast_ms": bcast / 1e3, "per_device_batch": b}
     else:
         it, held, comm, facts = _fsdp(mode, p, st, t, prof, M.collective_us)
-        total, exposed = facts.pop("comm_us"), it - compute - facts["optimizer_ms"] * 1e3
+        total = facts.pop("comm_us")
+        exposed = min(total, it - compute - facts["optimizer_ms"] * 1e3)  # the copies are not the collectives'
+        # As predict_ddp: a rank that reaches a collective first waits there for the last.
+        total, exposed = total + prof.arrival_skew_ms * 1e3, exposed + prof.arrival_skew_ms * 1e3
         info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, **facts, "per_device_batch": b}
     busy = 100.0  # as predict_ddp's: NVML counts a collective's kernels as busy, and nothing else waits
     if prof.device == "cpu":
