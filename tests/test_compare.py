@@ -116,6 +116,21 @@ def test_more_ranks_than_gpus_is_a_clear_error_before_anything_starts():
     assert "no CUDA device is visible" in proc.stderr or "NCCL needs a GPU per rank" in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("mode", ["zero1", "fsdp"])
+def test_the_sharded_modes_run_out_of_emulated_memory_too(mode):
+    """--mem-limit-mb on CPU (and so --find-max-batch) binds every mode: a sharded rank
+    that ignored it trained on at any batch, and the search ran to its cap."""
+    from commlab.training.compare import cli
+
+    args = {"device": "cpu", "share_gpu": False, "timeout": 60.0, "mem_limit_mb": 1.0, "model": "transformer",
+            "width": 64, "depth": 2, "input_shape": None, "checkpoint": False, "bucket_cap_mb": 25.0, "lr": 1e-3,
+            "optimizer": "adamw", "batch_size": 8, "accum_steps": 1, "amp": None, "warmup": 1, "iters": 1,
+            "mode_timeout": 240.0, "threads": 1}
+    row = cli.run_mode(mode, 2, args)
+    assert row["status"] == "oom" and "--mem-limit-mb 1" in row["reason"], row
+    assert cli.run_mode(mode, 2, dict(args, mem_limit_mb=None))["status"] == "ok"
+
+
 def test_sharded_modes_train_alike_and_hold_what_the_formulas_say():
     """ddp, zero1, fsdp (torch's collectives, and commlab's shm through FSDP2's custom
     comm hooks), fsdp:noreshard: the same transformer, seed, data and AdamW end with the

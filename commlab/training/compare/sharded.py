@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commlab.training import fsdp, hooks, workloads
-from commlab.training.compare.workers import timed_default_hook
+from commlab.training.compare.workers import emulate_memory_limit, timed_default_hook
 
 
 def is_sharded(mode: str) -> bool:
@@ -155,6 +155,7 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     backend = "gloo"
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args["timeout"]))
+    rss_before_model = psutil.Process().memory_info().rss
     torch.manual_seed(0)
     wl = workloads.build(args["model"], **workloads.options(args))
     model = wl.model
@@ -236,6 +237,7 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         full = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
         params = torch.cat([t.reshape(-1).double() for t in full]).tolist()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    emulate_memory_limit(peak_rss, rss_before_model, args["mem_limit_mb"])
     return {"times": slowest.tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": peak_rss / 2**20,
             "util": util, "sync_total": total, "sync_exposed": exposed, "comm_bytes": per_step, **tensors,
             "params": params}

@@ -62,6 +62,18 @@ def optimizer_step(opt, scaler) -> None:
         opt.step()
 
 
+def emulate_memory_limit(peak_rss: int, rss_before_model: int, limit_mb: float | None) -> None:
+    """CPU has no allocator limit: emulate --mem-limit-mb on what training added to the
+    process, agreed across ranks so they all stop together (every CPU mode alike)."""
+    if not limit_mb:
+        return
+    over = torch.tensor([(peak_rss - rss_before_model) / 2**20], dtype=torch.float64)
+    dist.all_reduce(over, op=dist.ReduceOp.MAX)
+    if over.item() > limit_mb:
+        raise torch.OutOfMemoryError(f"emulated: a rank's training memory peaked at {over.item():.0f} MB, above "
+                                     f"--mem-limit-mb {limit_mb:g}")
+
+
 def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     """One DDP rank of a mode (run by the launcher in fresh processes); returns its measurements."""
     cuda = args["device"] == "cuda"
@@ -164,14 +176,8 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     tensors, params = _tensor_bytes_and_params(ddp, opt, lambda: step(args["warmup"] + args["iters"]), args)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; the true peak, mid-step too
     mem = (torch.cuda.max_memory_allocated(device) if cuda else peak_rss) / 2**20
-    if not cuda and args["mem_limit_mb"]:
-        # CPU has no allocator limit: emulate one on what training added to the process,
-        # agreed across ranks so they all stop together.
-        over = torch.tensor([(peak_rss - rss_before_model) / 2**20], dtype=torch.float64)
-        dist.all_reduce(over, op=dist.ReduceOp.MAX)
-        if over.item() > args["mem_limit_mb"]:
-            raise torch.OutOfMemoryError(f"emulated: a rank's training memory peaked at {over.item():.0f} MB, above "
-                                         f"--mem-limit-mb {args['mem_limit_mb']:g}")
+    if not cuda:
+        emulate_memory_limit(peak_rss, rss_before_model, args["mem_limit_mb"])
     if isinstance(state, hooks.CommState):
         state.close()
     skew = None
