@@ -88,6 +88,28 @@ def measure_gamma_us_per_byte(dtype=None, device="cpu", nbytes: int = 8 << 20) -
     return best * 1e6 / (n * a.element_size())
 
 
+def measure_first_touch_us_per_byte(nbytes: int = 48 << 20) -> float:
+    """What a freshly allocated host buffer costs per byte the first time it is written,
+    beyond writing a warm one (best of 5): large allocations come from mmap, so every
+    call that allocates its output (FSDP's collectives do; the bench reuses its buffers)
+    pays a page fault per page."""
+    import time
+
+    import torch
+
+    best_fresh = best_warm = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a = torch.empty(nbytes, dtype=torch.uint8)
+        a.fill_(1)
+        t1 = time.perf_counter()
+        a.fill_(2)
+        t2 = time.perf_counter()
+        best_fresh, best_warm = min(best_fresh, t1 - t0), min(best_warm, t2 - t1)
+        del a
+    return max(best_fresh - best_warm, 0.0) * 1e6 / nbytes
+
+
 def _nnls_target(A: np.ndarray, y: np.ndarray) -> np.ndarray:
     """min |A·c - y|² with c >= 0, by trying every support of the (at most three)
     coefficients: exact for so few unknowns, and no scipy needed."""

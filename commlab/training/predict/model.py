@@ -35,6 +35,7 @@ class Profile:
     arrival_skew_ms: float = 0.0  # how far apart ranks reach their first bucket (ddp:noop): the first to arrive waits
     optimizer_ms: float | None = None  # of compute_ms, the optimizer step (ddp:noop): shared out by bytes, not FLOPs
     copy_us_per_byte: float | None = None  # this host: a byte read or written by a copy (a third of the bench's γ)
+    first_touch_us_per_byte: float = 0.0  # this host: a fresh buffer's page faults per byte, with ranks sharing cores
 
 
 def profile_names() -> list[str]:
@@ -50,7 +51,7 @@ def load_profile(name: str) -> Profile:
 
 
 def this_host(benches: list[dict], compute_ms: float, ranks: int, cores: int, arrival_skew_ms: float = 0.0,
-              optimizer_ms: float | None = None) -> Profile:
+              optimizer_ms: float | None = None, first_touch_us_per_byte: float = 0.0) -> Profile:
     """This machine, measured: each algorithm's α, β, γ fitted to bench runs (one per
     collective) at the world size compared, the compute-only step and how far apart the
     ranks reach their first bucket (both from ddp:noop)."""
@@ -70,6 +71,8 @@ def this_host(benches: list[dict], compute_ms: float, ranks: int, cores: int, ar
                    optimizer_ms=optimizer_ms,
                    # γ: one element-wise SUM per byte of input, three bytes of traffic (two reads, one write)
                    copy_us_per_byte=gammas[0] / 3 if gammas else None,
+                   # measured on one idle process: stretched as each rank gets cores/ranks of a core
+                   first_touch_us_per_byte=first_touch_us_per_byte * max(1.0, ranks / cores),
                    sources=[{"what": ", ".join(fits), "source": "commlab.allreduce_bench at this world size, fitted"},
                             {"what": "compute_ms", "source": "commlab.compare's ddp:noop in the same run"}])
 
