@@ -194,3 +194,40 @@ def test_sharded_modes_train_alike_and_hold_what_the_formulas_say():
         assert r["tensor_mb"] == pytest.approx(got["tensor_mb"], rel=0.10), (r["mode"], r["tensor_breakdown_mb"],
                                                                              got["tensor_breakdown_mb"])
         assert r["comm_mb"] == pytest.approx(got["comm_mb"], rel=0.01), r["mode"]
+
+
+def test_trace_is_a_chrome_trace_that_agrees_with_the_table(tmp_path):
+    """--trace: a Chrome trace-event JSON per mode (a process per rank; compute,
+    communication and exposed-sync tracks), from the very timestamps the table sums: the
+    exposed and total sync read back from the trace are the table's."""
+    import importlib.util
+
+    out, traces = tmp_path / "c.json", tmp_path / "t"
+    cmd = [sys.executable, "-m", "commlab.compare", "--device", "cpu", "--world-size", "2", "--modes", "ddp,ddp:shm",
+           "--model", "mlp", "--width", "64", "--depth", "3", "--batch-size", "16", "--iters", "3", "--warmup", "1",
+           "--bucket-cap-mb", "0.01", "--trace", str(traces), "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = {m["mode"]: m for m in json.loads(out.read_text())["modes"]}
+    for mode in ("ddp", "ddp:shm"):
+        doc = json.loads((traces / f"{mode}.json").read_text())
+        events = doc["traceEvents"]
+        # The trace-event format: complete events with name, category, µs timestamps, process and thread.
+        for e in events:
+            assert e["ph"] in ("X", "M") and isinstance(e["pid"], int) and isinstance(e["tid"], int), e
+            if e["ph"] == "X":
+                assert isinstance(e["name"], str) and e["cat"] and e["ts"] >= 0 and e["dur"] >= 0, e
+        names = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M"}
+        assert {(0, "rank 0"), (1, "rank 1"), (0, "compute"), (1, "communication"), (1, "exposed sync")} <= names
+        for rank in (0, 1):
+            got = [e for e in events if e["ph"] == "X" and e["pid"] == rank]
+            assert sum(e["name"] == "forward" for e in got) == sum(e["name"] == "optimizer" for e in got) == 3
+            assert sum(e["name"] == "exposed sync" for e in got) == 3
+            assert any(e["cat"] == "communication" and e["args"]["bytes"] > 0 for e in got)
+        table = rows[mode]["grad_sync_ms"]
+        back = rows[mode]["trace"]["sync_ms"]
+        assert back["total"] == pytest.approx(table["total"], abs=0.01)
+        assert back["exposed"] == pytest.approx(table["exposed"], abs=0.01)
+        if importlib.util.find_spec("matplotlib"):
+            assert (traces / f"{mode}.png").stat().st_size > 0

@@ -86,12 +86,21 @@ class BucketStats:
         """Book a bucket's completion; the iteration is done when its last bucket is."""
         with self._lock:
             it.comm_s += t1 - t0
-            it.buckets.append({"index": index, "bytes": nbytes, "comm_ms": (t1 - t0) * 1e3})
+            # start/end on time.perf_counter's clock (CLOCK_MONOTONIC: one clock for every
+            # process of a host): what compare's --trace draws
+            it.buckets.append({"index": index, "bytes": nbytes, "comm_ms": (t1 - t0) * 1e3, "start": t0, "end": t1})
             it.pending -= 1
             if it.pending == 0 and it.backward_end is not None:
                 it.last_done = t1
                 self._done.append(it)
                 del self._done[: -self._keep]
+
+    def iterations(self) -> list[dict]:
+        """Every finished iteration kept: its buckets (with start and end), the end of
+        backward (the last hand-over) and the last completion; the spans stats() sums."""
+        with self._lock:
+            return [{"backward_end": i.backward_end, "last_done": i.last_done, "buckets": [dict(b) for b in i.buckets]}
+                    for i in self._done if i.last_done is not None]
 
     def stats(self) -> dict:
         """Per finished iteration: bytes, total communication time (sum over buckets) and

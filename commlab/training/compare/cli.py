@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 
 import torch
@@ -96,6 +97,7 @@ def run_ddp_mode(mode: str, world: int, args: dict, rank_fn=workers.ddp_rank) ->
            if res[0].get("tensor_mb") is not None else {}),
         "comm_mb": max(r.get("comm_bytes", 0) for r in res) / 2**20,
         **({"params": res[0]["params"]} if res[0].get("params") is not None else {}),
+        **({"trace_records": [r["trace"] for r in res]} if res[0].get("trace") is not None else {}),
     }
 
 
@@ -191,6 +193,26 @@ def host_bench(world: int, collective: str, names: list[str]) -> dict:
             return json.load(f)
 
 
+def write_trace(records: list[dict], label: str, directory: str) -> dict:
+    """One mode's trace as DIR/<label>.json and, with matplotlib, DIR/<label>.png; the
+    row keeps the paths and the sync figures read back from the trace."""
+    from commlab.measure import trace
+
+    os.makedirs(directory, exist_ok=True)
+    name = re.sub(r"[^\w.:-]+", "_", label)
+    doc = trace.chrome_trace(records, label)
+    out = {"json": os.path.join(directory, name + ".json"), "sync_ms": trace.sync_ms(doc)}
+    trace.write(doc, out["json"])
+    try:
+        from commlab.measure.plots import plot_trace
+
+        plot_trace(doc, os.path.join(directory, name + ".png"))
+        out["png"] = os.path.join(directory, name + ".png")
+    except SystemExit as e:  # no matplotlib: the JSON alone, and why
+        out["png_skipped"] = str(e)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m commlab.compare", description=__doc__,
                                  epilog="Metric definitions:\n" + report.DEFINITIONS,
@@ -231,6 +253,9 @@ def main(argv=None) -> int:
     ap.add_argument("--share-gpu", action="store_true", help="several DDP processes on one GPU over gloo (functional check)")
     ap.add_argument("--predict", help="a hardware profile (commlab.predict's, or this-host: fitted to a bench run on "
                     "this machine and the measured ddp:noop): its predicted column beside each measured mode")
+    ap.add_argument("--trace", metavar="DIR", help="CPU DDP modes: every rank's forward, backward, optimizer and bucket "
+                    "spans as DIR/<mode>.json (Chrome trace events: Perfetto, chrome://tracing) and DIR/<mode>.png "
+                    "(needs matplotlib); off by default")
     ap.add_argument("--json"), ap.add_argument("--plot")
     a = ap.parse_args(argv)
     args = vars(a)
@@ -278,6 +303,9 @@ def main(argv=None) -> int:
                 res["bucket_cap_mb"] = cap
             if label != mode:
                 res["label"] = label
+            records = res.pop("trace_records", None)
+            if a.trace and records:
+                res["trace"] = write_trace(records, label, a.trace)
             if a.find_max_batch and res["status"] in ("ok", "oom"):
                 res["max_batch"], res["max_batch_probes"] = search.find_max_batch(mode, world, margs, run_mode)
             results.append(res)

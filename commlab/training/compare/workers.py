@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from commlab.measure import trace
 from commlab.training import hooks, workloads
 from commlab.training.compare import metrics, report
 
@@ -121,6 +122,8 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             return wl.loss(ddp(x).float(), y)
 
+    spans: list[tuple[str, float, float]] = []  # --trace: this rank's compute, on the buckets' clock
+
     def step(i):
         opt.zero_grad(set_to_none=True)
         total = 0.0
@@ -128,8 +131,11 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
             x, y = wl.make_batch(micro, seed=(i * accum + k) * 1000 + rank, device=device)
             ctx = ddp.no_sync() if k < accum - 1 else contextlib.nullcontext()
             with ctx:
+                t0 = time.perf_counter()
                 loss = forward_loss(x, y) / accum
+                t1 = time.perf_counter()
                 (scaler.scale(loss) if scaler else loss).backward()
+                spans.extend((("forward", t0, t1), ("backward", t1, time.perf_counter())))
             total += float(loss.detach())
         if cuda:
             torch.cuda.synchronize()
@@ -138,11 +144,13 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         if cuda:
             torch.cuda.synchronize()
         opt_times.append(time.perf_counter() - t0)  # this-host prediction's optimizer share (ddp:noop)
+        spans.append(("optimizer", t0, time.perf_counter()))
         return total
 
     for i in range(args["warmup"]):
         step(i)
     opt_times.clear()
+    spans.clear()
     if isinstance(state, hooks.BucketStats):
         state.reset()
     elif state is not None:
@@ -172,6 +180,9 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     dist.all_reduce(mean_loss)
     st = state.stats() if state is not None else {"mean_total_comm_ms": 0.0, "mean_exposed_ms": 0.0}
+    timing = state if isinstance(state, hooks.BucketStats) else getattr(state, "timing", None)
+    traced = trace.record(spans, timing.iterations() if timing is not None else [],
+                          "builtin" if mode == "ddp" else mode.split(":", 1)[-1]) if args.get("trace") else None
     per_step = st.get("per_iteration") or [{"bytes": 0}]
     tensors, params = _tensor_bytes_and_params(ddp, opt, lambda: step(args["warmup"] + args["iters"]), args)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; the true peak, mid-step too
@@ -188,7 +199,7 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     return {"times": slowest.cpu().tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": mem,
             "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"],
             "arrival_skew_ms": skew, "comm_bytes": per_step[-1]["bytes"], **tensors, "params": params,
-            "optimizer_ms": sorted(opt_times)[len(opt_times) // 2] * 1e3 if opt_times else None}
+            "optimizer_ms": sorted(opt_times)[len(opt_times) // 2] * 1e3 if opt_times else None, "trace": traced}
 
 
 def _tensor_bytes_and_params(ddp, opt, one_step, args: dict) -> tuple[dict, list | None]:
