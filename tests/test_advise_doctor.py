@@ -56,9 +56,10 @@ def test_advise_from_measurements(tmp_path):
     assert proc.returncode == 0 and "fastest: ddp" in proc.stdout and "DDP strongly recommended" in proc.stdout
 
 
-def _row(mode, ms, mb, comm=0.0, state=0.0):
+def _row(mode, ms, mb, comm=0.0, state=0.0, opt=None):
     return {"mode": mode, "status": "ok", "iter_ms": {"median": ms, "p90": ms}, "peak_memory_mb": [mb] * 4,
-            "comm_mb": comm, "tensor_mb": mb, "tensor_breakdown_mb": {"optimizer_state": state}}
+            "comm_mb": comm, "tensor_mb": mb, "tensor_breakdown_mb": {"optimizer_state": state},
+            "breakdown": {"optimizer_ms": opt}}
 
 
 @pytest.mark.parametrize("limit,verdict,rules", [
@@ -74,9 +75,11 @@ def _row(mode, ms, mb, comm=0.0, state=0.0):
     (1000, "nothing fits", {"every mode above the limit"}),
 ])
 def test_sharding_decision_is_the_fastest_mode_that_fits_with_its_reasons(limit, verdict, rules):
-    rows = [_row("ddp", 100.0, 23000, 4600, 9000), _row("zero1", 130.0, 17000, 9200),
-            _row("fsdp:noreshard", 110.0, 9600, 9200), _row("fsdp", 140.0, 6600, 13800)]
+    rows = [_row("ddp", 100.0, 23000, 4600, 9000, opt=40.0), _row("zero1", 130.0, 17000, 9200),
+            _row("fsdp:noreshard", 110.0, 9600, 9200, opt=10.0), _row("fsdp", 140.0, 6600, 13800)]
     got, findings = advise.sharding(rows, limit)
+    if verdict.startswith("FSDP without"):  # the winner's reason cites its numbers against DDP's
+        assert any("optimizer step 10.0 ms against DDP's 40.0" in f.reason for f in findings), findings
     assert got == verdict
     assert rules <= {f.rule for f in findings}, findings
     assert all(f.reason for f in findings)

@@ -169,8 +169,16 @@ def sharding(rows: list[dict], limit_mb: float | None, device: str = "cuda") -> 
                                f"brings it to {mem['fsdp']:.0f} MB at {cost:+.1f} ms per iteration"))
     if "ddp" in ok and best != "ddp":
         gain = ms["ddp"] / ms[best]
-        why = ("its optimizer steps 1/p of the parameters and its collectives overlap compute" if gain > 1
-               else "DDP does not fit" if not fits["ddp"] else "")
+        reasons = []
+        opt_b, opt_d = ((ok[k].get("breakdown") or {}).get("optimizer_ms") for k in (best, "ddp"))
+        if opt_b is not None and opt_d is not None and opt_b < opt_d:
+            reasons.append(f"its optimizer step {opt_b:.1f} ms against DDP's {opt_d:.1f} (the state sharded)")
+        exp_b, exp_d = ((ok[k].get("grad_sync_ms") or {}).get("exposed") for k in (best, "ddp"))
+        if exp_b is not None and exp_d is not None and exp_b < exp_d:
+            reasons.append(f"{exp_b:.1f} ms of synchronisation exposed against DDP's {exp_d:.1f}")
+        if not fits["ddp"]:
+            reasons.append("DDP does not fit")
+        why = "; ".join(reasons)
         out.append(Finding(SHARDING[best], "the fastest that fits",
                            f"{ms[best]:.1f} ms per iteration, {gain:.2f}x DDP's speed" + (f": {why}" if why else "")))
     else:
