@@ -103,6 +103,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("alltoall", &commlab::ShmComm::alltoall, pybind11::arg("out"), pybind11::arg("input"),
            pybind11::arg("send"), pybind11::arg("recv"),
            "out (recv[j] elements from each rank j) = the blocks every rank sends this one (send[q] to rank q)")
+      .def("try_allgather", &commlab::ShmComm::try_allgather, pybind11::arg("out"), pybind11::arg("input"),
+           pybind11::arg("dtype"), "allgather() if both are like the plan's (else False, untouched)")
+      .def("try_reduce_scatter", &commlab::ShmComm::try_reduce_scatter, pybind11::arg("out"), pybind11::arg("input"),
+           pybind11::arg("op"), pybind11::arg("dtype"), "reduce_scatter() if both are like the plan's (else False)")
+      .def("try_broadcast", &commlab::ShmComm::try_broadcast, pybind11::arg("tensor"), pybind11::arg("root"),
+           pybind11::arg("dtype"), "broadcast() if the tensor is like the plan's (else False, untouched)")
+      .def("try_alltoall", &commlab::ShmComm::try_alltoall, pybind11::arg("out"), pybind11::arg("input"),
+           pybind11::arg("dtype"), "alltoall() with even splits along dim 0 if both are like the plan's (else False)")
       .def("barrier", &commlab::ShmComm::barrier)
       .def("abort", &commlab::ShmComm::abort, pybind11::arg("why"),
            "give up on this communicator: peers waiting on this rank fail at once with `why`")

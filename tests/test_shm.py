@@ -269,3 +269,101 @@ def test_ranks_in_sched_groups_of_their_own_sleep_at_once_when_they_share_cores(
         pool.close()
     for spin, yield_us, cores in res:
         assert (spin, yield_us) == ((shm.SPIN, shm.YIELD_US) if 4 <= cores else (0, 0)), (spin, yield_us, cores)
+
+
+def _family_case(collective, rank, p, n, dtype=torch.float32):
+    """(call(g, **kw), the result it must leave) for one shm call of `collective`."""
+    if collective == "broadcast":
+        t = torch.full((n,), float(rank + 1), dtype=dtype)
+        return (lambda g, t=t, **kw: commlab.broadcast(t, src=0, group=g, algorithm="shm", **kw)), \
+            (lambda t=t: torch.equal(t, torch.ones(n, dtype=dtype)))
+    if collective == "all_gather":
+        inp, out = torch.full((n,), float(rank + 1), dtype=dtype), torch.empty(p * n, dtype=dtype)
+        want = torch.arange(1, p + 1, dtype=dtype).repeat_interleave(n)
+        return (lambda g, out=out, **kw: commlab.all_gather(out, inp, group=g, algorithm="shm", **kw)), \
+            (lambda: torch.equal(out, want))
+    if collective == "reduce_scatter":
+        inp, out = torch.full((p * n,), float(rank + 1), dtype=dtype), torch.empty(n, dtype=dtype)
+        return (lambda g, out=out, **kw: commlab.reduce_scatter(out, inp, group=g, algorithm="shm", **kw)), \
+            (lambda: torch.equal(out, torch.full((n,), float(p * (p + 1) // 2), dtype=dtype)))
+    inp = (torch.arange(p * n) + 1000 * rank).to(dtype)
+    out = torch.empty(p * n, dtype=dtype)
+    want = torch.cat([(torch.arange(n) + rank * n + 1000 * j).to(dtype) for j in range(p)])
+    return (lambda g, out=out, **kw: commlab.all_to_all(out, inp, group=g, algorithm="shm", **kw)), \
+        (lambda: torch.equal(out, want))
+
+
+def family_fast_and_slow(rank, p, collective):
+    """The other families' fast path: after a first call, calls like it run in one
+    transport call; anything else takes the long way, pairs with peers on the fast one,
+    and a rank refusing its own arguments there fails its peers waiting in the fast one."""
+    from commlab.algorithms import registry
+    from commlab.api import family
+    alg = registry(collective).get("shm")
+    runs = []
+    real_run = type(alg).run
+    alg.run = lambda *a: (runs.append(1), real_run(alg, *a))
+    g = dist.new_group(list(range(p)))
+    out = {"ok": []}
+    try:
+        call, right = _family_case(collective, rank, p, 1000)
+        call(g)
+        out["first"] = len(runs)
+        out["fast"] = any(key[0] == collective and key[-1] == id(g) for key in family._fast)
+        out["ok"].append(right())
+        del runs[:]
+        for _ in range(3):
+            call, right = _family_case(collective, rank, p, 1000)
+            call(g)
+            out["ok"].append(right())
+        out["like calls"] = len(runs)
+        # Another dtype takes the fast path over; the first call like the first takes it back.
+        for dtype in (torch.float64, torch.float32, torch.float32):
+            call, right = _family_case(collective, rank, p, 1000, dtype)
+            call(g)
+            out["ok"].append(right())
+        del runs[:]
+        # A rank whose tensors the fast path does not take (a Parameter, async) pairs with
+        # peers that took it.
+        call, right = _family_case(collective, rank, p, 1000)
+        if rank == 0:
+            call(g, async_op=True).wait()
+        else:
+            call(g)
+        out["ok"].append(right())
+        out["mixed runs"] = len(runs)
+        # The last rank refuses its own arguments on the long way; its peers wait in the fast one.
+        call, right = _family_case(collective, rank, p, 1000 if rank < p - 1 else 999)
+        start = time.monotonic()
+        try:
+            if collective == "broadcast" and rank == p - 1:
+                commlab.broadcast(torch.zeros(1000), group_src=p, group=g, algorithm="shm")
+            elif collective == "all_to_all" and rank == p - 1:
+                commlab.all_to_all(torch.empty(p * 1000 + 1), torch.zeros(p * 1000), group=g, algorithm="shm")
+            elif collective in ("all_gather", "reduce_scatter") and rank == p - 1:
+                big, small = torch.zeros(p * 1000 + 1), torch.zeros(1000)
+                args = (big, small) if collective == "all_gather" else (small, big)
+                getattr(commlab, collective)(*args, group=g, algorithm="shm")
+            else:
+                _family_case(collective, rank, p, 1000)[0](g)
+            out["refusal"] = "returned"
+        except Exception as e:  # noqa: BLE001 - the type and text are what the test checks
+            out["refusal"] = (type(e).__name__, str(e)[:300], time.monotonic() - start)
+        return out
+    finally:
+        del alg.run
+        dist.destroy_process_group(g)
+
+
+@pytest.mark.parametrize("collective", ["broadcast", "all_gather", "reduce_scatter", "all_to_all"])
+def test_family_fast_path_serves_like_calls_and_steps_aside_for_others(ranks, collective):
+    got = ranks.run(3, family_fast_and_slow, collective)
+    for rank, res in enumerate(got):
+        assert res["first"] == 1 and res["fast"], res
+        assert res["like calls"] == 0, res  # no Python layer below the API ran
+        assert all(res["ok"]), res
+        assert res["mixed runs"] == (1 if rank == 0 else 0), res
+        kind, text, took = res["refusal"]
+        assert kind == ("UnsupportedError" if rank == 2 else "PeerError"), res
+        assert "rank 2" in text or rank == 2, res
+        assert took < 5, res

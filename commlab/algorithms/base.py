@@ -112,6 +112,15 @@ class Member:
         bandwidth (shared memory); None for network algorithms."""
         return None
 
+    def fast_call(self, like, op, ctx):
+        """For transports that run a whole blocking call below Python: a callable taking
+        the family's call (all-reduce: tensor; all-gather, reduce-scatter, all-to-all:
+        out, input; broadcast: tensor, root) that runs it and returns True when its
+        tensors are like `like` (dtype, device, contiguous; op: the reduction, or None),
+        else returns False having touched nothing. None (the default): no such path, the
+        API always takes `run`."""
+        return None
+
     def __repr__(self) -> str:
         return f"<commlab {self.collective} algorithm {self.name!r}: {self.summary}>"
 
@@ -145,9 +154,3 @@ class Algorithm(Member):
         rank asks at the same point of its first call of a plan."""
         return False
 
-    def fast_call(self, tensor: torch.Tensor, op: Op, ctx: Context):
-        """For transports that can run a whole call below Python: a callable(tensor) ->
-        bool that reduces a tensor like `tensor` (same dtype and device, contiguous) in
-        place and returns True, or returns False having touched nothing. None: no such
-        path (the default); the API then always takes `run`."""
-        return None

@@ -43,7 +43,7 @@ class SharedMemory(Algorithm):
         return True  # every piece carries its call's record
 
     def fast_call(self, tensor, op, ctx):
-        return shm.fast_call(ctx.info, int(op), int(self.mode), tensor, self.name)
+        return shm.fast_call(ctx.info, self.name, "try_allreduce", tensor, int(op), int(self.mode))
 
     def run(self, buf, op, ctx):
         if ctx.transport is None:  # the group's shared-memory entry, looked up once per plan

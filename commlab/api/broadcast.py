@@ -2,6 +2,8 @@
 broadcast algorithm."""
 from __future__ import annotations
 
+import torch
+
 from commlab.algorithms import broadcast as family_
 from commlab.api import family
 from commlab.core import groups
@@ -16,6 +18,13 @@ def broadcast(tensor, src: int | None = None, group=None, *, algorithm: str = "b
     `group`), `tensor` of any shape, layout and dtype, in place; every rank ends with
     the root's bits; with async_op=True returns a handle with wait(), is_completed()
     and get_future()."""
+    # Plain tensors and int roots only: anything else goes the long way, which explains.
+    if not async_op and type(tensor) is torch.Tensor:
+        plan = family.fast_plan(("broadcast", algorithm, id(group)))
+        if plan is not None:
+            root = plan.root_of.get(src) if group_src is None else (group_src if src is None else None)
+            if type(root) is int and family.run_fast(plan, tensor, root):
+                return None
     plan = _plan(tensor, group, algorithm)
     if (src is None) == (group_src is None):
         plan.refuse(f"takes one of src (a global rank) and group_src, got src={src}, group_src={group_src}")
@@ -30,6 +39,10 @@ def broadcast(tensor, src: int | None = None, group=None, *, algorithm: str = "b
 
 class _Plan(family.Plan):
     collective = "broadcast"
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.root_of = {g: r for r, g in enumerate(self.info.global_ranks)}  # a global src's group rank
 
     def sizes(self, out, inp, p):
         return None  # one tensor: nothing of its own can be wrong once it is a strided tensor
@@ -60,4 +73,4 @@ def _plan(t, group, algorithm: str) -> _Plan:
     reason = alg.unsupported(t, info)
     if reason:
         raise UnsupportedError(f"commlab[{alg.name}]: {reason}")
-    return _plans.put(key, _Plan(alg, info, family_.names), t)
+    return _plans.put(key, _Plan(alg, info, family_.names), t, ("broadcast", algorithm, id(group)))

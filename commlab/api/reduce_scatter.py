@@ -24,6 +24,10 @@ def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, *, algorithm
     `input` (left as it was otherwise); SUM, AVG, PRODUCT, MIN, MAX over every common
     dtype; with async_op=True returns a handle with wait(), is_completed() and
     get_future()."""
+    if not async_op and type(output) is torch.Tensor and type(input) is torch.Tensor:  # others: the long way
+        plan = family.fast_plan(("reduce_scatter", algorithm, id(op), id(group)))
+        if plan is not None and plan.op_key is op and family.run_fast(plan, output, input):
+            return None
     return family.run(_plan(output, input, op, group, algorithm), output, input, async_op)
 
 
@@ -72,4 +76,6 @@ def _plan(out, inp, op, group, algorithm: str) -> _Plan:
     reason = alg.unsupported(inp, Op.SUM if reduce_op is Op.AVG else reduce_op, info)
     if reason:
         raise UnsupportedError(f"commlab[{alg.name}]: {reason}")
-    return _plans.put(key, _Plan(alg, info, family_.names, reduce_op, op), inp)
+    plan = _Plan(alg, info, family_.names, reduce_op, op)
+    # AVG divides after the exchange, in Python: only the long way does it.
+    return _plans.put(key, plan, inp, None if reduce_op is Op.AVG else ("reduce_scatter", algorithm, id(op), id(group)))

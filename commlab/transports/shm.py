@@ -207,20 +207,22 @@ def _call(info: GroupInfo, algorithm: str, run, entry: Entry | None = None) -> N
             raise _call_failed(entry, comm, e, algorithm) from None
 
 
-def fast_call(info: GroupInfo, op: int, mode: int, like: torch.Tensor, algorithm: str):
-    """all_reduce() for tensors like `like`, in one C++ call (the API's fast path for
-    small messages): False, touching nothing, for any other tensor, before setup, or
-    while another thread holds the group's communicator."""
+def fast_call(info: GroupInfo, algorithm: str, method: str, like: torch.Tensor, *bound):
+    """A call of the communicator's `method` (try_allreduce, try_allgather, ...) for
+    tensors like `like`, in one C++ call (the API's fast path for small messages):
+    call(*args) runs method(*args, *bound, dtype) and returns False, touching nothing,
+    for any other tensors, before setup, or while another thread holds the group's
+    communicator."""
     entry = state_of(info)
     lock = entry.lock
-    dtype = ext.require().ShmComm.dtype_code(like)
+    tail = (*bound, ext.require().ShmComm.dtype_code(like))
 
-    def call(tensor: torch.Tensor) -> bool:
+    def call(*args) -> bool:
         if not lock.acquire(False):
             return False
         try:
             comm = entry.comm
-            return comm is not None and comm.try_allreduce(tensor, op, mode, dtype)
+            return comm is not None and getattr(comm, method)(*args, *tail)
         except BaseException as e:
             raise _call_failed(entry, comm, e, algorithm) from None
         finally:

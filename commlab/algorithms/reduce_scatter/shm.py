@@ -32,6 +32,9 @@ class SharedMemory(ReduceScatterAlgorithm):
     def checks_calls(self, ctx):
         return True
 
+    def fast_call(self, like, op, ctx):
+        return shm.fast_call(ctx.info, self.name, "try_reduce_scatter", like, int(op))
+
     def run(self, out, inp, op, ctx):
         shm.reduce_scatter(out, inp, int(op), ctx.info, self.name)
 

@@ -937,6 +937,52 @@ void ShmComm::alltoall(const torch::Tensor& out, const torch::Tensor& in, const 
   });
 }
 
+namespace {
+// A tensor the fast paths take as it is: what the API's long way would pass unchanged.
+bool plain(const torch::Tensor& t, int64_t dtype) {
+  return t.layout() == c10::kStrided && t.device().is_cpu() && static_cast<int64_t>(t.scalar_type()) == dtype &&
+         t.numel() > 0 && t.is_contiguous() && !t.is_neg() && !t.is_conj();
+}
+
+bool share_bytes(const torch::Tensor& a, const torch::Tensor& b) {
+  const char* a0 = static_cast<const char*>(a.data_ptr());
+  const char* b0 = static_cast<const char*>(b.data_ptr());
+  return a0 < b0 + b.numel() * b.element_size() && b0 < a0 + a.numel() * a.element_size();
+}
+}  // namespace
+
+bool ShmComm::try_allgather(const torch::Tensor& out, const torch::Tensor& in, int64_t dtype) {
+  // The input may be this rank's block of the output: allgather() reads it from the segment.
+  if (!plain(out, dtype) || !plain(in, dtype) || out.numel() != in.numel() * world_) return false;
+  allgather(out, in);
+  return true;
+}
+
+bool ShmComm::try_reduce_scatter(const torch::Tensor& out, const torch::Tensor& in, int64_t op, int64_t dtype) {
+  if (!plain(out, dtype) || !plain(in, dtype) || in.numel() != out.numel() * world_ || share_bytes(out, in) ||
+      op < 0 || op > 3)
+    return false;
+  reduce_scatter(out, in, op);
+  return true;
+}
+
+bool ShmComm::try_broadcast(const torch::Tensor& t, int64_t root, int64_t dtype) {
+  if (!plain(t, dtype) || root < 0 || root >= world_) return false;
+  broadcast(t, root);
+  return true;
+}
+
+bool ShmComm::try_alltoall(const torch::Tensor& out, const torch::Tensor& in, int64_t dtype) {
+  // Even splits count rows of dim 0, as the API's long way does.
+  if (!plain(out, dtype) || !plain(in, dtype) || in.dim() == 0 || out.dim() == 0 || in.size(0) % world_ != 0 ||
+      out.size(0) % world_ != 0 || share_bytes(out, in))
+    return false;
+  const int64_t send = in.size(0) / world_ * (in.numel() / in.size(0));
+  const int64_t recv = out.size(0) / world_ * (out.numel() / out.size(0));
+  alltoall(out, in, std::vector<int64_t>(world_, send), std::vector<int64_t>(world_, recv));
+  return true;
+}
+
 void ShmComm::abort(const std::string& why) {
   check_usable();
   mark_aborted(kError, global_ranks_[rank_], why);

@@ -59,6 +59,15 @@ class ShmComm {
   // whole matrix of counts before any byte lands.
   void alltoall(const torch::Tensor& out, const torch::Tensor& in, const std::vector<int64_t>& send,
                 const std::vector<int64_t>& recv);
+  // The other families' fast paths, like try_allreduce: the call if every tensor is like
+  // the plan's (contiguous CPU tensors of scalar type `dtype`, not empty, sizes that fit,
+  // no input and output sharing bytes where the API would make a private result); false,
+  // touching nothing, for any other call, which then takes the API's long way.
+  bool try_allgather(const torch::Tensor& out, const torch::Tensor& in, int64_t dtype);
+  bool try_reduce_scatter(const torch::Tensor& out, const torch::Tensor& in, int64_t op, int64_t dtype);
+  bool try_broadcast(const torch::Tensor& t, int64_t root, int64_t dtype);
+  // Even splits along dim 0 (all_to_all_single without split sizes).
+  bool try_alltoall(const torch::Tensor& out, const torch::Tensor& in, int64_t dtype);
   void barrier();
   // Gives up on this communicator for a reason found outside it (another stage of a
   // hierarchical call failed): peers waiting on this rank fail at once, with `why`.
