@@ -267,3 +267,39 @@ def test_peers_in_another_pid_namespace_are_not_declared_dead():
     assert r0["error"] is None and r1["error"] is None, results
     assert r0["values"] == r1["values"] == [3.0], results
     assert r0["waited_s"] > 1.0, results  # it really waited for the late peer
+
+
+@in_own_group
+def root_completes_then_gives_up(rank, p, g):
+    """Rank 1 waits in a broadcast for the root's data; while it is stopped the root
+    finishes the broadcast and gives the group up on its next call. Rank 1, resumed,
+    finds the data published and the root's abort: the root completed this call, so
+    rank 1 completes it too and meets the abort in its next call."""
+    pids = [None] * p
+    dist.all_gather_object(pids, os.getpid(), group=g)
+    x = torch.full((1000,), float(rank + 1))
+    commlab.broadcast(x, src=0, group=g, algorithm="shm")  # sets shared memory up
+    dist.barrier(group=g)
+    out = {}
+    if rank == 0:
+        time.sleep(0.3)  # rank 1 is waiting for the root's data
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            x.fill_(7)
+            out["call"] = _outcome(lambda: commlab.broadcast(x, src=0, group=g, algorithm="shm"))
+            out["next"] = _outcome(lambda: commlab.broadcast(x, group_src=p, group=g, algorithm="shm"))
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+    else:
+        x.zero_()
+        out["call"] = _outcome(lambda: commlab.broadcast(x, src=0, group=g, algorithm="shm"))
+        out["right"] = bool(torch.equal(x, torch.full_like(x, 7.0)))
+        out["next"] = _outcome(lambda: commlab.broadcast(x, src=0, group=g, algorithm="shm"))
+    return out
+
+
+def test_a_rank_that_gave_up_in_a_later_call_leaves_this_one_complete(ranks):
+    root, peer = ranks.run(2, root_completes_then_gives_up)
+    assert root["call"]["type"] is None and root["next"]["type"] == "UnsupportedError", root
+    assert peer["call"]["type"] is None and peer["right"], peer  # was: PeerError for a call the root completed
+    assert peer["next"]["type"] == "PeerError" and "rank 0" in peer["next"]["msg"] and peer["next"]["s"] < 2, peer

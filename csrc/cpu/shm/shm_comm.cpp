@@ -32,7 +32,7 @@ namespace commlab {
 namespace {
 
 constexpr uint64_t kMagic = 0x31424c4d4d4f43ull;  // "COMMLB1"
-constexpr uint32_t kVersion = 4;
+constexpr uint32_t kVersion = 5;
 constexpr int64_t kDataOffset = 4096;
 constexpr int kReasonBytes = 1024;
 constexpr int64_t kSliceMs = 50;     // longest futex sleep: bounds how late a signal or a death is seen
@@ -85,6 +85,9 @@ enum AbortKind : uint32_t { kTimeout = 1, kDead = 2, kMismatch = 3, kInterrupted
 struct alignas(64) AbortLine {
   std::atomic<uint32_t> claimed;
   std::atomic<uint64_t> word;
+  // Calls the rank had completed when it gave up (written before the word): a peer still
+  // finishing one of those completes it too, and meets the abort in its next call.
+  std::atomic<uint64_t> finished;
   char reason[kReasonBytes];
 };
 
@@ -415,6 +418,7 @@ void ShmComm::mark_aborted(uint32_t kind, int64_t cause, const std::string& why)
     const size_t n = std::min<size_t>(why.size(), kReasonBytes - 1);
     std::memcpy(own->abort.reason, why.data(), n);
     own->abort.reason[n] = 0;
+    own->abort.finished.store(in_call_ ? calls_ - 1 : calls_, std::memory_order_relaxed);
     own->abort.word.store((static_cast<uint64_t>(kind) << 32) | static_cast<uint64_t>(cause + 1),
                           std::memory_order_release);
   }
@@ -485,9 +489,11 @@ void ShmComm::check_signals() {
 
 void ShmComm::wait_for(int peer, uint64_t target) {
   wait_seq(peer, target);
-  // A peer that gave up after publishing what we need fails this call here too, so the
-  // ranks end alike whenever they can see it (one load of a line that rarely changes).
-  if (segs_[peer]->ctl()->abort.word.load(std::memory_order_acquire) != 0) relay(peer);
+  // A peer that gave up in this call after publishing what we need fails it here too, so
+  // the ranks end alike whenever they can see it (one load of a line that rarely
+  // changes). One that gave up in a later call completed this one: so do we.
+  const AbortLine& a = segs_[peer]->ctl()->abort;
+  if (a.word.load(std::memory_order_acquire) != 0 && a.finished.load(std::memory_order_relaxed) < calls_) relay(peer);
 }
 
 void ShmComm::wait_seq(int peer, uint64_t target) {
@@ -699,6 +705,11 @@ bool ShmComm::try_allreduce(const torch::Tensor& t, int64_t op, int64_t mode, in
 template <class Body>
 void ShmComm::guarded(Body&& body) {
   ++calls_;
+  in_call_ = true;
+  struct Leave {
+    bool& flag;
+    ~Leave() { flag = false; }
+  } leave{in_call_};
   pybind11::gil_scoped_release no_gil;
   try {
     body();

@@ -132,6 +132,7 @@ class ShmComm {
   bool own_unlinked_ = false;
   uint64_t seq_ = 0;    // pieces run so far
   uint64_t calls_ = 0;  // calls run so far
+  bool in_call_ = false;  // inside guarded(): a give-up now is this call's
   std::string broken_;
   int64_t failed_peer_ = -1;
 };
