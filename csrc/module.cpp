@@ -112,6 +112,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("try_alltoall", &commlab::ShmComm::try_alltoall, pybind11::arg("out"), pybind11::arg("input"),
            pybind11::arg("dtype"), "alltoall() with even splits along dim 0 if both are like the plan's (else False)")
       .def("barrier", &commlab::ShmComm::barrier)
+      .def("probe_single_copy", &commlab::ShmComm::probe_single_copy,
+           "whether every peer's memory reads in one copy (process_vm_readv) from this rank")
+      .def_property("single_copy_min", &commlab::ShmComm::single_copy_min, &commlab::ShmComm::set_single_copy_min)
+      .def_property("single_copy_max", &commlab::ShmComm::single_copy_max, &commlab::ShmComm::set_single_copy_max)
       .def("abort", &commlab::ShmComm::abort, pybind11::arg("why"),
            "give up on this communicator: peers waiting on this rank fail at once with `why`")
       .def_static("dtype_code", [](const torch::Tensor& t) { return static_cast<int64_t>(t.scalar_type()); },

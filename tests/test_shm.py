@@ -1,6 +1,7 @@
 """Shared-memory specifics beyond the registry sweep: pieces, concurrent groups,
 threads, leaks, /dev/shm hygiene, refusals and dead peers."""
 import os
+import signal
 import threading
 import time
 
@@ -367,3 +368,82 @@ def test_family_fast_path_serves_like_calls_and_steps_aside_for_others(ranks, co
         assert kind == ("UnsupportedError" if rank == 2 else "PeerError"), res
         assert "rank 2" in text or rank == 2, res
         assert took < 5, res
+
+
+def single_copy_broadcasts(rank, p, lo, hi):
+    """Broadcasts on a group whose shm takes one copy for [lo, hi) bytes: every size and
+    root right, the path taken counted by the sizes it covers."""
+    saved = shm.SINGLE_COPY_MIN, shm.SINGLE_COPY_MAX
+    shm.SINGLE_COPY_MIN, shm.SINGLE_COPY_MAX = lo, hi
+    g = dist.new_group(list(range(p)))
+    try:
+        wrong = []
+        for dtype, n in ((torch.float32, 1), (torch.float32, 5000), (torch.bfloat16, 100_003), (torch.int64, 70_001),
+                         (torch.uint8, (1 << 20) + 3)):
+            for root in range(p):
+                x = (torch.arange(n, dtype=torch.int64) % 251 + 7 * rank).to(dtype)
+                commlab.broadcast(x, src=root, group=g, algorithm="shm")
+                want = (torch.arange(n, dtype=torch.int64) % 251 + 7 * root).to(dtype)
+                if not torch.equal(x, want):
+                    wrong.append((str(dtype), n, root))
+        comm = shm.state_of(commlab.core.groups.resolve(g)).comm
+        return {"wrong": wrong, "min": comm.single_copy_min, "max": comm.single_copy_max,
+                "probe": comm.probe_single_copy()}
+    finally:
+        shm.SINGLE_COPY_MIN, shm.SINGLE_COPY_MAX = saved
+        dist.barrier()
+        dist.destroy_process_group(g)
+
+
+@pytest.mark.parametrize("lo,hi", [(1024, 0), (1024, 300_000), (-1, 0)])
+def test_single_copy_broadcast_is_right_at_every_size_and_root(ranks, lo, hi):
+    for res in ranks.run(3, single_copy_broadcasts, lo, hi):
+        assert res["wrong"] == [], res
+        assert res["probe"], res  # this machine lets ranks read each other: the path ran
+        assert (res["min"], res["max"]) == (lo, hi), res
+
+
+def root_dies_before_a_reader_reads(rank, p):
+    """Rank 2's helper thread stops rank 1 (waiting for the root's data), kills the root
+    once it has published (it then waits for rank 1 to finish reading), and resumes rank 1:
+    rank 1's read of a dead process fails naming the root, fast."""
+    saved = shm.SINGLE_COPY_MIN, shm.SINGLE_COPY_MAX
+    shm.SINGLE_COPY_MIN, shm.SINGLE_COPY_MAX = 1024, 0
+    pids = [None] * p
+    dist.all_gather_object(pids, os.getpid())
+    x = torch.full((1 << 20,), float(rank))
+    commlab.broadcast(x, src=0, algorithm="shm")  # set up: one copy from 1 KiB
+    dist.barrier()
+    shm.SINGLE_COPY_MIN, shm.SINGLE_COPY_MAX = saved
+    if rank == 2:
+        def helper():
+            time.sleep(0.3)
+            os.kill(pids[1], signal.SIGSTOP)
+            time.sleep(0.5)
+            os.kill(pids[0], signal.SIGKILL)
+            time.sleep(0.2)
+            os.kill(pids[1], signal.SIGCONT)
+        threading.Thread(target=helper, daemon=True).start()
+    if rank == 0:
+        time.sleep(0.5)  # rank 1 is stopped, having announced itself
+    x.fill_(rank + 10)
+    t0 = time.monotonic()
+    try:
+        commlab.broadcast(x, src=0, algorithm="shm")
+        return {"error": None, "right": bool(torch.equal(x, torch.full_like(x, 10.0)))}
+    except commlab.CommlabError as e:
+        return {"error": type(e).__name__, "msg": str(e), "s": time.monotonic() - t0}
+
+
+def test_a_root_that_dies_before_a_single_copy_read_is_named():
+    pool = RankPool(3)
+    try:
+        res = pool.outcomes(root_dies_before_a_reader_reads, timeout=60)
+    finally:
+        pool.close()
+    assert res[0].status == "missing"
+    s1, r1 = status_payload(res[1])
+    s2, r2 = status_payload(res[2])
+    assert s1 == "ok" and r1["error"] == "PeerError" and "rank 0" in r1["msg"] and r1["s"] < 3, r1
+    # Rank 2 read the root's data before the root died: its call is complete and right.
+    assert s2 == "ok" and r2 == {"error": None, "right": True}, r2

@@ -41,6 +41,14 @@ SPIN = 256
 # groups of their own (torchrun and MPICH start each in its own session, so autogroup)
 # are weighed group against group: a yield keeps the core, 8 ranks took 1-2 ms per call.
 YIELD_US = 2000
+# Broadcasts of [MIN, MAX) bytes go in one copy where the kernel lets every rank read its
+# peers' memory (process_vm_readv): each receiver reads the root's tensor straight out of
+# its process, as the MPIs do, instead of through the root's 1 MiB pieces. Measured at 2
+# ranks: two copies take 1.5-2x MPI's time at 1-4 MiB in some runs (0.3-0.6x in others),
+# one copy ties it in every run; below 512 KiB and from 16 MiB two copies were at most
+# MPI's time (MIN -1: never; MAX 0: no upper bound).
+SINGLE_COPY_MIN = int(os.environ.get("COMMLAB_SHM_SINGLE_COPY_MIN", str(512 << 10)))
+SINGLE_COPY_MAX = int(os.environ.get("COMMLAB_SHM_SINGLE_COPY_MAX", str(16 << 20)))
 
 
 class Mode(enum.IntEnum):
@@ -64,7 +72,8 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
     """Set the group's shared memory up (collective); a CommlabError leaves nothing behind."""
     C = ext.require()
     facts = gather(info, {"host": host_id(), "cpus": sorted(os.sched_getaffinity(0)), "capacity": CAPACITY,
-                          "oneshot_max": ONESHOT_MAX, "sched_group": sched_group()})
+                          "oneshot_max": ONESHOT_MAX, "single_copy": (SINGLE_COPY_MIN, SINGLE_COPY_MAX),
+                          "sched_group": sched_group()})
     hosts = [f["host"] for f in facts]
     cores = len(set().union(*(set(f["cpus"]) for f in facts)))
     if len(set(hosts)) > 1:
@@ -75,7 +84,8 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
         raise UnsupportedError(f"commlab[{algorithm}]: the group spans more than one host, shared memory cannot "
                                "serve it: " + ", ".join(f"{h}: ranks {rs}" for h, rs in by_host.items()))
     # Ranks configured differently would pair pieces of different sizes or modes.
-    diff = differing(info, facts, {"COMMLAB_SHM_CAPACITY": "capacity", "COMMLAB_SHM_ONESHOT_MAX": "oneshot_max"})
+    diff = differing(info, facts, {"COMMLAB_SHM_CAPACITY": "capacity", "COMMLAB_SHM_ONESHOT_MAX": "oneshot_max",
+                                   "COMMLAB_SHM_SINGLE_COPY_MIN/MAX": "single_copy"})
     if diff:
         raise CollectiveMismatchError(f"commlab[{algorithm}]: ranks configured shared memory differently: {diff}")
     # An object broadcast works on any backend: the CUDA IPC transport's host-staged
@@ -104,6 +114,11 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
         comm.yield_us = _env_int("COMMLAB_SHM_YIELD_US", YIELD_US if own_cores or one_sched_group else 0)
         comm.peer_timeout_ms = int(peer_timeout() * 1000)
         agree(info, "attaching peer segments", comm.attach)
+        # One copy only where every rank can read every peer (a container's seccomp or
+        # Yama's ptrace scope may refuse it): the ranks must all take the same path.
+        readable = gather(info, {"single_copy": comm.probe_single_copy()}, what="single-copy probe")
+        comm.single_copy_min = SINGLE_COPY_MIN if all(f["single_copy"] for f in readable) else -1
+        comm.single_copy_max = SINGLE_COPY_MAX
     except CommlabError:
         # A rank may have died between creating its segment and the unlink: every
         # survivor knows the token, so every name of the group goes.

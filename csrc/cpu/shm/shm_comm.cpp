@@ -8,6 +8,7 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -32,7 +33,7 @@ namespace commlab {
 namespace {
 
 constexpr uint64_t kMagic = 0x31424c4d4d4f43ull;  // "COMMLB1"
-constexpr uint32_t kVersion = 5;
+constexpr uint32_t kVersion = 6;
 constexpr int64_t kDataOffset = 4096;
 constexpr int kReasonBytes = 1024;
 constexpr int64_t kSliceMs = 50;     // longest futex sleep: bounds how late a signal or a death is seen
@@ -48,6 +49,7 @@ struct alignas(64) Header {
   uint32_t uid;
   uint64_t capacity;
   int64_t pid;
+  uint64_t self_addr;  // this header's address in its owner's process: what a single-copy probe reads
   char token[33];
 };
 
@@ -77,6 +79,7 @@ struct alignas(64) CallInfo {
   int32_t mode;
   int32_t kind;
   int32_t root;
+  uint64_t addr;  // single-copy calls: the caller's buffer, in its own process (not compared)
 };
 
 // Why a rank gave up, set once: kind << 32 | (global rank of the cause + 1). The reason
@@ -296,6 +299,7 @@ ShmComm::ShmComm(const std::string& token_hex, int64_t rank, int64_t world, int6
   h.uid = static_cast<uint32_t>(geteuid());
   h.capacity = static_cast<uint64_t>(capacity_);
   h.pid = static_cast<int64_t>(getpid());
+  h.self_addr = reinterpret_cast<uint64_t>(&h);
   std::memcpy(h.token, token_.c_str(), 33);
   // The magic goes last: a reader that sees it sees a complete header.
   std::atomic_thread_fence(std::memory_order_release);
@@ -357,6 +361,42 @@ void ShmComm::unlink_own() {
   if (!own_unlinked_ && segs_[rank_]) {
     shm_unlink(segs_[rank_]->name.c_str());
     own_unlinked_ = true;
+  }
+}
+
+bool ShmComm::probe_single_copy() {
+  // The whole header read out of each peer's own process must equal our mapping of it: a
+  // pid of another namespace, a refused ptrace check or a kernel without the call all fail.
+  for (int j = 0; j < world_; ++j) {
+    if (j == rank_) continue;
+    const Header& h = segs_[j]->ctl()->header;
+    Header copy;
+    struct iovec local{&copy, sizeof(copy)};
+    struct iovec remote{reinterpret_cast<void*>(h.self_addr), sizeof(copy)};
+    const ssize_t n = process_vm_readv(static_cast<pid_t>(h.pid), &local, 1, &remote, 1, 0);
+    if (n != static_cast<ssize_t>(sizeof(copy)) || std::memcmp(&copy, &h, sizeof(copy)) != 0) return false;
+  }
+  return true;
+}
+
+// Reads nbytes at `addr` in `peer`'s process into dst, in one copy.
+void ShmComm::read_peer(int peer, char* dst, uint64_t addr, int64_t nbytes) {
+  const pid_t pid = static_cast<pid_t>(segs_[peer]->ctl()->header.pid);
+  int64_t done = 0;
+  while (done < nbytes) {
+    struct iovec local{dst + done, static_cast<size_t>(nbytes - done)};
+    struct iovec remote{reinterpret_cast<void*>(addr + done), static_cast<size_t>(nbytes - done)};
+    const ssize_t n = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+    if (n <= 0) {
+      const int err = n < 0 ? errno : EIO;
+      if (err == EINTR) continue;
+      const bool dead = err == ESRCH || !peer_alive(peer);
+      std::ostringstream msg;
+      msg << "commlab shm: rank " << global_ranks_[rank_] << " could not read rank " << global_ranks_[peer]
+          << "'s buffer (" << std::strerror(err) << ")" << (dead ? ": its process died" : "");
+      give_up(dead ? kDead : kError, global_ranks_[dead ? peer : rank_], msg.str());
+    }
+    done += n;
   }
 }
 
@@ -844,6 +884,31 @@ void ShmComm::broadcast(const torch::Tensor& t, int64_t root) {
   const int64_t max_piece = (capacity_ / elsize) * elsize;
   char* data = static_cast<char*>(t.data_ptr());
   const int from = static_cast<int>(root);
+  if (single_copy_min_ >= 0 && nbytes >= single_copy_min_ && (single_copy_max_ <= 0 || nbytes < single_copy_max_)) {
+    // One copy: every receiver reads the root's tensor out of its process; the root
+    // returns once all have (phase 3), so the caller may write the tensor again.
+    const Call call{kBroadcast, nbytes, static_cast<int32_t>(t.scalar_type()), -1, 1, static_cast<int32_t>(root)};
+    guarded([&] {
+      const uint64_t c = ++seq_;
+      if (rank_ == from) {
+        segs_[rank_]->ctl()->info[c & 1].addr = reinterpret_cast<uint64_t>(data);
+        begin(c, call, 0, nbytes);
+        for (int j = 0; j < world_; ++j) {
+          if (j != rank_) await_checked(j, c, 1);
+        }
+        publish(c * 4 + 2);
+        for (int j = 0; j < world_; ++j) {
+          if (j != rank_) wait_for(j, c * 4 + 3);
+        }
+      } else {
+        begin(c, call, 0, nbytes);
+        await_checked(from, c, 2);
+        read_peer(from, data, segs_[from]->ctl()->info[c & 1].addr, nbytes);
+        publish(c * 4 + 3);
+      }
+    });
+    return;
+  }
   const Call call{kBroadcast, nbytes, static_cast<int32_t>(t.scalar_type()), -1, -1, static_cast<int32_t>(root)};
   guarded([&] {
     int64_t index = 0;

@@ -69,6 +69,14 @@ class ShmComm {
   // Even splits along dim 0 (all_to_all_single without split sizes).
   bool try_alltoall(const torch::Tensor& out, const torch::Tensor& in, int64_t dtype);
   void barrier();
+  // Whether this rank can read every peer's memory in one copy (process_vm_readv: same
+  // user, ptrace allowed, one PID namespace); collective use needs every rank's yes.
+  bool probe_single_copy();
+  // Broadcasts of [min, max) bytes go in one copy; min < 0: never (max <= 0: no upper bound).
+  int64_t single_copy_min() const { return single_copy_min_; }
+  void set_single_copy_min(int64_t bytes) { single_copy_min_ = bytes; }
+  int64_t single_copy_max() const { return single_copy_max_; }
+  void set_single_copy_max(int64_t bytes) { single_copy_max_ = bytes; }
   // Gives up on this communicator for a reason found outside it (another stage of a
   // hierarchical call failed): peers waiting on this rank fail at once, with `why`.
   void abort(const std::string& why);
@@ -112,6 +120,7 @@ class ShmComm {
   void check_aborts();
   void check_info(int peer, uint64_t piece_seq);
   bool peer_alive(int peer) const;
+  void read_peer(int peer, char* dst, uint64_t addr, int64_t nbytes);
   void piece(char* dst, const char* src, int64_t total, int64_t index, int64_t nbytes, int64_t elsize,
              c10::ScalarType dtype, int op, ShmMode mode);
   [[noreturn]] void fail_wait(int peer, uint64_t target, uint32_t kind, const char* why);
@@ -125,6 +134,8 @@ class ShmComm {
   int spin_;
   int yield_us_;
   int64_t peer_timeout_ms_ = 5000;
+  int64_t single_copy_min_ = -1;
+  int64_t single_copy_max_ = 0;
   uint64_t fork_generation_;
   std::vector<int64_t> global_ranks_;
   std::vector<Segment*> segs_;
