@@ -370,11 +370,12 @@ def test_family_fast_path_serves_like_calls_and_steps_aside_for_others(ranks, co
         assert took < 5, res
 
 
-def single_copy_broadcasts(rank, p, lo, hi):
-    """Broadcasts on a group whose shm takes one copy for [lo, hi) bytes: every size and
-    root right, the path taken counted by the sizes it covers."""
+def single_copy_broadcasts(rank, p, lo, hi, piece=""):
+    """Broadcasts on a group whose shm takes one copy for [lo, hi) bytes and pieces of
+    `piece` bytes otherwise: every size and root right."""
     saved = shm.SINGLE_COPY_MIN, shm.SINGLE_COPY_MAX
     shm.SINGLE_COPY_MIN, shm.SINGLE_COPY_MAX = lo, hi
+    os.environ["COMMLAB_SHM_BROADCAST_PIECE"] = piece
     g = dist.new_group(list(range(p)))
     try:
         wrong = []
@@ -388,19 +389,22 @@ def single_copy_broadcasts(rank, p, lo, hi):
                     wrong.append((str(dtype), n, root))
         comm = shm.state_of(commlab.core.groups.resolve(g)).comm
         return {"wrong": wrong, "min": comm.single_copy_min, "max": comm.single_copy_max,
-                "probe": comm.probe_single_copy()}
+                "probe": comm.probe_single_copy(), "piece": comm.broadcast_piece}
     finally:
         shm.SINGLE_COPY_MIN, shm.SINGLE_COPY_MAX = saved
+        os.environ.pop("COMMLAB_SHM_BROADCAST_PIECE")
         dist.barrier()
         dist.destroy_process_group(g)
 
 
-@pytest.mark.parametrize("lo,hi", [(1024, 0), (1024, 300_000), (-1, 0)])
-def test_single_copy_broadcast_is_right_at_every_size_and_root(ranks, lo, hi):
-    for res in ranks.run(3, single_copy_broadcasts, lo, hi):
+@pytest.mark.parametrize("lo,hi,piece", [(1024, 0, ""), (1024, 300_000, "4096"), (-1, 0, "4100"), (-1, 0, "")])
+def test_single_copy_broadcast_is_right_at_every_size_and_root(ranks, lo, hi, piece):
+    for res in ranks.run(3, single_copy_broadcasts, lo, hi, piece):
         assert res["wrong"] == [], res
         assert res["probe"], res  # this machine lets ranks read each other: the path ran
         assert (res["min"], res["max"]) == (lo, hi), res
+        # 3 ranks on 2 cores keep whole buffers unless told (4100: not a multiple of 8 bytes)
+        assert res["piece"] == (int(piece) if piece else 0), res
 
 
 def root_dies_before_a_reader_reads(rank, p):

@@ -41,14 +41,18 @@ SPIN = 256
 # groups of their own (torchrun and MPICH start each in its own session, so autogroup)
 # are weighed group against group: a yield keeps the core, 8 ranks took 1-2 ms per call.
 YIELD_US = 2000
-# Broadcasts of [MIN, MAX) bytes go in one copy where the kernel lets every rank read its
-# peers' memory (process_vm_readv): each receiver reads the root's tensor straight out of
-# its process, as the MPIs do, instead of through the root's 1 MiB pieces. Measured at 2
-# ranks: two copies take 1.5-2x MPI's time at 1-4 MiB in some runs (0.3-0.6x in others),
-# one copy ties it in every run; below 512 KiB and from 16 MiB two copies were at most
-# MPI's time (MIN -1: never; MAX 0: no upper bound).
-SINGLE_COPY_MIN = int(os.environ.get("COMMLAB_SHM_SINGLE_COPY_MIN", str(512 << 10)))
-SINGLE_COPY_MAX = int(os.environ.get("COMMLAB_SHM_SINGLE_COPY_MAX", str(16 << 20)))
+# Broadcasts of [MIN, MAX) bytes may go in one copy where the kernel lets every rank read
+# its peers' memory (process_vm_readv): each receiver reads the root's tensor straight out
+# of its process, as the MPIs do. Off by default: it ties the MPIs, where two copies in
+# 256 KiB pieces took 0.3x their time at 1-64 MiB (MIN -1: never; MAX 0: no upper bound).
+SINGLE_COPY_MIN = int(os.environ.get("COMMLAB_SHM_SINGLE_COPY_MIN", "-1"))
+SINGLE_COPY_MAX = int(os.environ.get("COMMLAB_SHM_SINGLE_COPY_MAX", "0"))
+# Bytes per piece of a broadcast through the segments, where every rank has a core: the
+# root copies one in while the receivers copy the last out, and a piece stays in cache
+# (2 ranks, 1-4 MiB: 22-24 and 85-104 us, against 24-42 and 90-145 with 1 MiB pieces).
+# Ranks that share cores keep whole buffers: each piece's handshake can cost a context
+# switch (4 ranks, 4 MiB: 1.0-1.2 ms in 256 KiB pieces, 0.7-0.8 ms in 1 MiB ones).
+BROADCAST_PIECE = 256 << 10
 
 
 class Mode(enum.IntEnum):
@@ -73,6 +77,7 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
     C = ext.require()
     facts = gather(info, {"host": host_id(), "cpus": sorted(os.sched_getaffinity(0)), "capacity": CAPACITY,
                           "oneshot_max": ONESHOT_MAX, "single_copy": (SINGLE_COPY_MIN, SINGLE_COPY_MAX),
+                          "broadcast_piece": os.environ.get("COMMLAB_SHM_BROADCAST_PIECE", ""),
                           "sched_group": sched_group()})
     hosts = [f["host"] for f in facts]
     cores = len(set().union(*(set(f["cpus"]) for f in facts)))
@@ -85,7 +90,8 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
                                "serve it: " + ", ".join(f"{h}: ranks {rs}" for h, rs in by_host.items()))
     # Ranks configured differently would pair pieces of different sizes or modes.
     diff = differing(info, facts, {"COMMLAB_SHM_CAPACITY": "capacity", "COMMLAB_SHM_ONESHOT_MAX": "oneshot_max",
-                                   "COMMLAB_SHM_SINGLE_COPY_MIN/MAX": "single_copy"})
+                                   "COMMLAB_SHM_SINGLE_COPY_MIN/MAX": "single_copy",
+                                   "COMMLAB_SHM_BROADCAST_PIECE": "broadcast_piece"})
     if diff:
         raise CollectiveMismatchError(f"commlab[{algorithm}]: ranks configured shared memory differently: {diff}")
     # An object broadcast works on any backend: the CUDA IPC transport's host-staged
@@ -119,6 +125,7 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
         readable = gather(info, {"single_copy": comm.probe_single_copy()}, what="single-copy probe")
         comm.single_copy_min = SINGLE_COPY_MIN if all(f["single_copy"] for f in readable) else -1
         comm.single_copy_max = SINGLE_COPY_MAX
+        comm.broadcast_piece = _env_int("COMMLAB_SHM_BROADCAST_PIECE", BROADCAST_PIECE if own_cores else 0)
     except CommlabError:
         # A rank may have died between creating its segment and the unlink: every
         # survivor knows the token, so every name of the group goes.

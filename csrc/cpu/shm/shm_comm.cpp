@@ -881,7 +881,9 @@ void ShmComm::broadcast(const torch::Tensor& t, int64_t root) {
   const int64_t elsize = t.element_size();
   const int64_t nbytes = t.numel() * elsize;
   if (nbytes == 0 || world_ == 1) return;
-  const int64_t max_piece = (capacity_ / elsize) * elsize;
+  // Pieces smaller than a buffer: the root copies one in while the receivers copy the last out.
+  const int64_t piece = broadcast_piece_ > 0 ? std::min(broadcast_piece_, capacity_) : capacity_;
+  const int64_t max_piece = std::max<int64_t>(1, piece / elsize) * elsize;
   char* data = static_cast<char*>(t.data_ptr());
   const int from = static_cast<int>(root);
   if (single_copy_min_ >= 0 && nbytes >= single_copy_min_ && (single_copy_max_ <= 0 || nbytes < single_copy_max_)) {
