@@ -22,7 +22,10 @@ def broadcast(tensor, src: int | None = None, group=None, *, algorithm: str = "b
     if not async_op and type(tensor) is torch.Tensor:
         plan = family.fast_plan(("broadcast", algorithm, id(group)))
         if plan is not None:
-            root = plan.root_of.get(src) if group_src is None else (group_src if src is None else None)
+            if group_src is None:
+                root = plan.root_of.get(src) if type(src) is int else None
+            else:
+                root = group_src if src is None else None
             if type(root) is int and family.run_fast(plan, tensor, root):
                 return None
     plan = _plan(tensor, group, algorithm)

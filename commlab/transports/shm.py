@@ -122,8 +122,9 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
         agree(info, "attaching peer segments", comm.attach)
         # One copy only where every rank can read every peer (a container's seccomp or
         # Yama's ptrace scope may refuse it): the ranks must all take the same path.
-        readable = gather(info, {"single_copy": comm.probe_single_copy()}, what="single-copy probe")
-        comm.single_copy_min = SINGLE_COPY_MIN if all(f["single_copy"] for f in readable) else -1
+        if SINGLE_COPY_MIN >= 0:  # agreed above: every rank asks, or none
+            readable = gather(info, {"single_copy": comm.probe_single_copy()}, what="single-copy probe")
+            comm.single_copy_min = SINGLE_COPY_MIN if all(f["single_copy"] for f in readable) else -1
         comm.single_copy_max = SINGLE_COPY_MAX
         comm.broadcast_piece = _env_int("COMMLAB_SHM_BROADCAST_PIECE", BROADCAST_PIECE if own_cores else 0)
     except CommlabError:
