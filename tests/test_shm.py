@@ -451,3 +451,25 @@ def test_a_root_that_dies_before_a_single_copy_read_is_named():
     assert s1 == "ok" and r1["error"] == "PeerError" and "rank 0" in r1["msg"] and r1["s"] < 3, r1
     # Rank 2 read the root's data before the root died: its call is complete and right.
     assert s2 == "ok" and r2 == {"error": None, "right": True}, r2
+
+
+def unhashable_src_after_a_planned_call(rank, p):
+    """A broadcast with a src the fast path cannot look up (a list) goes the long way and
+    is refused there on that rank; its peers, in the fast path, raise naming it."""
+    g = dist.new_group(list(range(p)))
+    try:
+        x = torch.ones(100)
+        commlab.broadcast(x, src=0, group=g, algorithm="shm")
+        commlab.broadcast(x, src=0, group=g, algorithm="shm")  # planned: the fast path from here
+        src = [0] if rank == 1 else 0
+        try:
+            commlab.broadcast(x, src=src, group=g, algorithm="shm")
+            return "returned"
+        except Exception as e:  # noqa: BLE001 - the type is what the test checks
+            return type(e).__name__
+    finally:
+        dist.destroy_process_group(g)
+
+
+def test_an_unhashable_src_is_refused_not_a_type_error(ranks):
+    assert ranks.run(3, unhashable_src_after_a_planned_call) == ["PeerError", "UnsupportedError", "PeerError"]
