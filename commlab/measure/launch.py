@@ -230,10 +230,11 @@ def mpi_world(launch: Launch | None = None):
 
 def job_port(job_id: str) -> int:
     """A port every rank of one job derives alike from the job's id (Lightning's rule
-    for Slurm, widened to 20000 ports)."""
+    for Slurm, widened): 20000-32767, below Linux's default ephemeral range (32768+),
+    where any outgoing connection of the host may hold the port rank 0's store needs."""
     import zlib
 
-    return 20000 + zlib.crc32(job_id.encode()) % 20000
+    return 20000 + zlib.crc32(job_id.encode()) % 12768
 
 
 def rendezvous(launch: Launch) -> tuple[str, str]:
