@@ -731,11 +731,17 @@ void ShmComm::piece(char* dst, const char* src, int64_t total, int64_t index, in
   }
 }
 
+namespace {
+// A tensor the fast paths take as it is: what the API's long way would pass unchanged.
+bool like_plan(const torch::Tensor& t, int64_t dtype) {
+  return t.layout() == c10::kStrided && t.device().is_cpu() && static_cast<int64_t>(t.scalar_type()) == dtype &&
+         t.is_contiguous() && !t.is_neg() && !t.is_conj();
+}
+}  // namespace
+
 bool ShmComm::try_allreduce(const torch::Tensor& t, int64_t op, int64_t mode, int64_t dtype) {
   // The API's fast path: anything unlike the plan's call goes the long way, untouched.
-  if (t.layout() != c10::kStrided || !t.device().is_cpu() || static_cast<int64_t>(t.scalar_type()) != dtype ||
-      !t.is_contiguous() || t.is_neg() || t.is_conj())
-    return false;
+  if (!like_plan(t, dtype)) return false;
   allreduce(t, op, mode);
   return true;
 }
@@ -1016,11 +1022,8 @@ void ShmComm::alltoall(const torch::Tensor& out, const torch::Tensor& in, const 
 }
 
 namespace {
-// A tensor the fast paths take as it is: what the API's long way would pass unchanged.
-bool plain(const torch::Tensor& t, int64_t dtype) {
-  return t.layout() == c10::kStrided && t.device().is_cpu() && static_cast<int64_t>(t.scalar_type()) == dtype &&
-         t.numel() > 0 && t.is_contiguous() && !t.is_neg() && !t.is_conj();
-}
+// The other families' fast paths leave empty calls to the long way, which agrees them.
+bool plain(const torch::Tensor& t, int64_t dtype) { return t.numel() > 0 && like_plan(t, dtype); }
 
 bool share_bytes(const torch::Tensor& a, const torch::Tensor& b) {
   const char* a0 = static_cast<const char*>(a.data_ptr());
