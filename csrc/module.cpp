@@ -1,6 +1,7 @@
 // Python bindings of commlab._C. The CUDA entry points exist only when setup.py
 // compiled csrc/cuda (COMMLAB_WITH_CUDA); `has_cuda()` tells Python which build it got.
 #include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "common/errors.h"
 #include "common/codes.h"
@@ -63,6 +64,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "commlab native kernels and transports";
   m.def("version", [] { return std::string(COMMLAB_VERSION); }, "commlab._C build version");
   m.def("has_cuda", &commlab::has_cuda, "whether CUDA sources were compiled in");
+  // torch binds no Work.abort(); gloo's send and receive works implement it, and it is the
+  // one thing that ends their wait once a half-written transfer's connection broke.
+  m.def("abort_wait", [](const c10::intrusive_ptr<c10d::Work>& work) { work->abort(); }, pybind11::arg("work"),
+        "make a pending or later wait() of a gloo send or receive return False (Work::abort)");
   m.def("codes", &commlab::codes, "common/codes.h as a dict, for the Python mirrors' consistency test");
   m.def("simd_level", &commlab::simd_level, "instruction set the CPU reduction loop uses");
   m.def("simd_levels", &commlab::simd_levels, "instruction sets this CPU supports");

@@ -8,6 +8,7 @@ Before the point-to-point transport had its abort channel (transports/link.py), 
 survivor of a peer that raised or was interrupted waited in a gloo receive until the
 group's timeout."""
 import os
+import signal
 
 import pytest
 
@@ -74,3 +75,55 @@ def test_a_frozen_peer_in_the_agreement_is_named(monkeypatch):
     got = drill("ring", "sigstop-between", world_size=3)
     _every_survivor_raises(got, limit_s=2 + 2.5)
     assert all("stopped responding" in o["msg"] for o in got["survivors"].values()), got
+
+
+def _mid_transfer(rank, p, nbytes):
+    """Rank 1 posts its receive of a message far larger than the sockets' buffers and
+    freezes; rank 0's send is then half written when rank 1 dies. Returns how long rank 0
+    took to raise, and what."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from commlab.core.errors import CommlabError
+    from commlab.core.groups import resolve
+    from commlab.transports.p2p import P2P
+
+    link = P2P(resolve(None), "ring")
+    data = torch.zeros(nbytes, dtype=torch.uint8)
+    link.run([(data[:8], 1)], []) if rank == 0 else link.run([], [(data[:8], 0)])  # the connection is up
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        link.post([], [(data, 0)])
+        store.set("posted", "1")
+        time.sleep(0.3)  # rank 0's send under way
+        os.kill(os.getpid(), signal.SIGSTOP)  # the test kills it
+        return None
+    store.wait(["posted"])
+    start = time.monotonic()
+    try:
+        link.run([(data, 1)], [])
+    except CommlabError as e:
+        return time.monotonic() - start, str(e)
+    return time.monotonic() - start, "returned"
+
+
+def test_a_send_half_written_to_a_dead_peer_fails_within_seconds(monkeypatch):
+    # gloo fails a send still queued or not yet started when its connection breaks, not
+    # one half written (its transmit queue's unbound buffers are never told): rank 0 of
+    # the broadcast drill waited out the group's timeout in 1 run of ~130 (CI, 2026-12-04).
+    import threading
+
+    from commlab.measure.launch import RankPool
+
+    monkeypatch.setenv("COMMLAB_PEER_TIMEOUT", "2")
+    pool = RankPool(2, pg_timeout_s=30)
+    killer = threading.Timer(3.0, os.kill, (pool.pid(1), signal.SIGKILL))
+    killer.start()
+    try:
+        got = pool.outcomes(_mid_transfer, 64 << 20, timeout=45)
+    finally:
+        killer.cancel()
+    took, text = got[0].result
+    assert "rank 1" in text and took < 2 + 2.5, (took, text)

@@ -9,7 +9,8 @@ caller's group stays untouched and usable), whose sockets are known: those that
 appeared while it connected. A rank that gives up (its wait failed, it was interrupted,
 it raised inside a call, it exits on an uncaught exception) publishes why in the
 group's store, first writer wins, and shuts its connections: its peers' pending waits
-fail at once and raise the published text. Peers not waiting on it learn it from the
+fail at once and raise the published text. (gloo does not fail a send whose connection
+broke half-way through it; the wait that runs it is aborted through Work::abort.) Peers not waiting on it learn it from the
 store, which a watcher thread reads every 100 ms while a wait is in flight, and shut
 theirs in turn. The watcher also beats a heartbeat into the store, so a peer that is
 frozen or behind a dead link (no socket closes) is named after COMMLAB_PEER_TIMEOUT
@@ -31,6 +32,8 @@ import time
 import weakref
 
 import torch.distributed as dist
+
+from commlab.core import ext
 
 ABORT_KEY = "commlab/abort"
 _POLL = 0.1  # s between looks at the store while a wait is in flight
@@ -65,6 +68,7 @@ class Link:
         self.route = None  # how call records are gathered (P2P.agree)
         self.dependents: list = []  # GroupInfos of sub-groups made for the same calls (P2P.derive)
         self.waiting = 0
+        self.inflight = None  # the send or receive work the main path waits on (trip aborts it)
         self.waiter = 0  # thread ident of the latest waiter: Ctrl-C gives up only a main-thread wait
         self.label = ""  # the algorithm of the latest wait, for the errors the watcher publishes
         self.since = 0.0
@@ -138,7 +142,15 @@ class Link:
         self.waiting += 1
         try:
             if not sliced:
-                return work.wait(timeout)
+                # Set before error is read, as trip sets error before reading it: one of the
+                # two sees the other (under the GIL), so a give-up never misses this wait.
+                self.inflight = work
+                if self.error is not None:
+                    return False
+                try:
+                    return work.wait(timeout)
+                finally:
+                    self.inflight = None
             end = time.monotonic() + timeout.total_seconds()
             while True:
                 left = end - time.monotonic()
@@ -197,6 +209,14 @@ class Link:
                 finally:
                     s.detach()
             except OSError:
+                pass
+        # A send half written when its connection broke is never told by gloo (it fails
+        # queued and unstarted transfers only): its wait would last the group's timeout.
+        work = self.inflight
+        if work is not None:
+            try:
+                ext.require().abort_wait(work)
+            except Exception:  # noqa: BLE001 - a work without abort (not gloo's): the sockets' closing ends it
                 pass
 
     # -- the watcher's rounds -------------------------------------------------------
