@@ -231,3 +231,33 @@ def test_trace_is_a_chrome_trace_that_agrees_with_the_table(tmp_path):
         assert back["exposed"] == pytest.approx(table["exposed"], abs=0.01)
         if importlib.util.find_spec("matplotlib"):
             assert (traces / f"{mode}.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_trace_of_the_sharded_modes_agrees_with_the_table(tmp_path):
+    """--trace on ZeRO-1 and FSDP: DDP's buckets plus the parameter broadcast, FSDP's
+    all-gathers and reduce-scatters, every one of them a blocking span of the
+    communication and exposed tracks; read back, they are the table's sync figures."""
+    out, traces = tmp_path / "c.json", tmp_path / "t"
+    cmd = [sys.executable, "-m", "commlab.compare", "--device", "cpu", "--world-size", "2", "--modes", "zero1,fsdp:shm",
+           "--model", "transformer", "--width", "32", "--depth", "2", "--batch-size", "8", "--iters", "3",
+           "--warmup", "1", "--trace", str(traces), "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = {m["mode"]: m for m in json.loads(out.read_text())["modes"]}
+    # Per rank and iteration: fsdp gathers each of the 3 units (2 blocks, the root) in forward
+    # and again in backward, and reduce-scatters each once; zero1 broadcasts once.
+    want = {"zero1": {"broadcast": 1}, "fsdp:shm": {"all-gather": 6, "reduce-scatter": 3}}
+    for mode, kinds in want.items():
+        events = [e for e in json.loads((traces / f"{mode}.json").read_text())["traceEvents"] if e["ph"] == "X"]
+        for rank in (0, 1):
+            for k in range(3):
+                comm = [e for e in events if e["pid"] == rank and e["cat"] == "communication"
+                        and e["args"]["iteration"] == k]
+                got = {kind: sum(e["args"]["kind"] == kind for e in comm) for kind in kinds}
+                assert got == kinds, (mode, rank, k, got)
+                assert all(e["args"]["bytes"] > 0 for e in comm)
+        table, back = rows[mode]["grad_sync_ms"], rows[mode]["trace"]["sync_ms"]
+        assert back["total"] == pytest.approx(table["total"], abs=0.01), mode
+        assert back["exposed"] == pytest.approx(table["exposed"], abs=0.01), mode

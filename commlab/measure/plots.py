@@ -62,13 +62,16 @@ def plot_trace(trace: dict, path: str) -> None:
     exposed sync), time along x, for a reader without a trace viewer."""
     plt = _pyplot()
     colours = {"forward": "#4c72b0", "backward": "#55a868", "optimizer": "#8172b3",
-               "waiting for the buckets": "#bbbbbb", "bucket": "#dd8452", "exposed sync": "#c44e52"}
+               "waiting for the buckets": "#bbbbbb", "bucket": "#dd8452", "all-gather": "#da8bc3",
+               "reduce-scatter": "#937860", "broadcast": "#ccb974", "exposed sync": "#c44e52"}
     lane_of = {"compute": "compute", "wait": "compute", "communication": "communication", "exposed": "exposed sync"}
     lanes: dict[tuple[int, str], list] = {}
+    shown = set()
     for e in trace["traceEvents"]:
         if e.get("ph") == "X":
-            colour = colours["bucket" if e["cat"] == "communication" else e["name"]]
-            lanes.setdefault((e["pid"], lane_of[e["cat"]]), []).append((e["ts"] / 1e3, e["dur"] / 1e3, colour))
+            name = e["args"]["kind"] if e["cat"] == "communication" else e["name"]
+            shown.add(name)
+            lanes.setdefault((e["pid"], lane_of[e["cat"]]), []).append((e["ts"] / 1e3, e["dur"] / 1e3, colours[name]))
     tracks = ["compute", "communication", "exposed sync"]
     order = sorted(lanes, key=lambda k: (k[0], tracks.index(k[1])))
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(order) + 1.6))
@@ -79,13 +82,13 @@ def plot_trace(trace: dict, path: str) -> None:
     ax.set_yticks(range(len(order)), [f"rank {r} {c}" for r, c in order], fontsize=8)
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color=c, label=n) for n, c in colours.items()], fontsize=7, ncol=6,
+    ax.legend(handles=[Patch(color=c, label=n) for n, c in colours.items() if n in shown], fontsize=7, ncol=6,
               loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.grid(True, axis="x", alpha=0.3)
-    ax.set_title(f"{trace['otherData'].get('mode')}: compute, DDP buckets (hand-over to completion), exposed sync",
-                 fontsize=9)
+    ax.set_title(f"{trace['otherData'].get('mode')}: compute, communication (DDP's buckets from hand-over to "
+                 "completion, blocking collectives), exposed sync", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

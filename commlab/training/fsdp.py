@@ -37,6 +37,7 @@ class _Step:
     bytes: int = 0  # nccl-tests' sizes: the gathered output, the reduce-scattered input
     comm_s: float = 0.0
     by_kind: dict = field(default_factory=lambda: {"all_gather": 0, "reduce_scatter": 0})
+    calls_seen: list = field(default_factory=list)  # (kind, start, end, bytes): compare --trace's spans
 
 
 class CommStats:
@@ -59,13 +60,15 @@ class CommStats:
                 self._steps.append(self._current)
             self._current = _Step()
 
-    def add(self, kind: str, nbytes: int, seconds: float) -> None:
+    def add(self, kind: str, nbytes: int, start: float, end: float) -> None:
+        """One call, from start to end (time.perf_counter)."""
         with self._lock:
             c = self._current
             c.calls += 1
             c.bytes += nbytes
-            c.comm_s += seconds
+            c.comm_s += end - start
             c.by_kind[kind] += 1
+            c.calls_seen.append((kind, start, end, nbytes))
 
     def summary(self) -> dict:
         """Means over the finished steps (blocking calls: exposed = total)."""
@@ -79,6 +82,13 @@ class CommStats:
                 "mean_bytes": mean(lambda s: s.bytes), "mean_calls": mean(lambda s: s.calls),
                 "mean_all_gathers": mean(lambda s: s.by_kind["all_gather"]),
                 "mean_reduce_scatters": mean(lambda s: s.by_kind["reduce_scatter"])}
+
+    def iterations(self) -> list[dict]:
+        """The finished steps' calls, the spans summary() sums (compare --trace)."""
+        with self._lock:
+            steps = list(self._steps)
+        return [{"calls": [{"kind": kind.replace("_", "-"), "start": a, "end": b, "bytes": n}
+                           for kind, a, b, n in s.calls_seen]} for s in steps]
 
 
 def _cpu(*tensors) -> None:
@@ -107,7 +117,7 @@ class Gather(_Alloc, AllGather):
         else:
             all_gather(output_tensor, input_tensor, group=group, algorithm=self.algorithm)
         if self.stats is not None:
-            self.stats.add("all_gather", output_tensor.numel() * output_tensor.element_size(), time.perf_counter() - t0)
+            self.stats.add("all_gather", output_tensor.numel() * output_tensor.element_size(), t0, time.perf_counter())
         return None  # done: FSDP goes on as after a blocking call
 
 
@@ -125,8 +135,8 @@ class Scatter(_Alloc, ReduceScatter):
         else:
             reduce_scatter(output_tensor, input_tensor, op, group=group, algorithm=self.algorithm)
         if self.stats is not None:
-            self.stats.add("reduce_scatter", input_tensor.numel() * input_tensor.element_size(),
-                           time.perf_counter() - t0)
+            self.stats.add("reduce_scatter", input_tensor.numel() * input_tensor.element_size(), t0,
+                           time.perf_counter())
         return None
 
 

@@ -253,9 +253,9 @@ def main(argv=None) -> int:
     ap.add_argument("--share-gpu", action="store_true", help="several DDP processes on one GPU over gloo (functional check)")
     ap.add_argument("--predict", help="a hardware profile (commlab.predict's, or this-host: fitted to a bench run on "
                     "this machine and the measured ddp:noop): its predicted column beside each measured mode")
-    ap.add_argument("--trace", metavar="DIR", help="CPU DDP modes: every rank's forward, backward, optimizer and bucket "
-                    "spans as DIR/<mode>.json (Chrome trace events: Perfetto, chrome://tracing) and DIR/<mode>.png "
-                    "(needs matplotlib); off by default")
+    ap.add_argument("--trace", metavar="DIR", help="CPU modes: every rank's forward, backward, optimizer, DDP bucket "
+                    "and blocking-collective spans as DIR/<mode>.json (Chrome trace events: Perfetto, "
+                    "chrome://tracing) and DIR/<mode>.png (needs matplotlib); off by default")
     ap.add_argument("--json"), ap.add_argument("--plot")
     a = ap.parse_args(argv)
     args = vars(a)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from commlab.measure import trace
 from commlab.training import fsdp, hooks, workloads
 from commlab.training.compare.workers import emulate_memory_limit, timed_default_hook
 
@@ -161,7 +162,7 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     model = wl.model
     comm = fsdp.CommStats()
     buckets_state = None
-    zero_sync = {"s": 0.0, "bytes": 0, "steps": 0}
+    zero_sync = {"s": 0.0, "bytes": 0, "steps": 0, "calls": []}
     if mode == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -175,9 +176,12 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         def timed_sync():
             t0 = time.perf_counter()
             sync()
-            zero_sync["s"] += time.perf_counter() - t0
-            zero_sync["bytes"] += sum(p.numel() * p.element_size() for p in net.parameters())
+            t1 = time.perf_counter()
+            nbytes = sum(p.numel() * p.element_size() for p in net.parameters())
+            zero_sync["s"] += t1 - t0
+            zero_sync["bytes"] += nbytes
             zero_sync["steps"] += 1
+            zero_sync["calls"].append({"kind": "broadcast", "start": t0, "end": t1, "bytes": nbytes})
         opt._sync_params = timed_sync
     else:
         from torch.distributed.device_mesh import DeviceMesh
@@ -195,21 +199,28 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     per_rank = max(args["batch_size"] // world, 1)
     proc = psutil.Process()
 
+    spans: list[tuple[str, float, float]] = []  # --trace: this rank's compute, on the collectives' clock
+
     def step(i):
         comm.step()
         opt.zero_grad(set_to_none=True)
         x, y = wl.make_batch(per_rank, seed=i * 1000 + rank)
+        t0 = time.perf_counter()
         loss = wl.loss(net(x).float(), y)
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
+        spans.extend((("forward", t0, t1), ("backward", t1, t2), ("optimizer", t2, time.perf_counter())))
         return float(loss.detach())
 
     for i in range(args["warmup"]):
         step(i)
     comm.reset()
+    spans.clear()
     if buckets_state is not None:
         buckets_state.reset()
-    zero_sync.update(s=0.0, bytes=0, steps=0)
+    zero_sync.update(s=0.0, bytes=0, steps=0, calls=[])
     times, loss = [], 0.0
     cpu0, wall0 = sum(proc.cpu_times()[:2]), time.perf_counter()
     for i in range(args["warmup"], args["warmup"] + args["iters"]):
@@ -217,21 +228,26 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         loss = step(i)
         times.append(time.perf_counter() - t0)
     util = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - wall0) * 100
-    tensors = measure_step(model, opt, ddp_bucket_bytes(net) if mode == "zero1" else 0,
-                           lambda: step(args["warmup"] + args["iters"]))
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    mean_loss = torch.tensor([loss], dtype=torch.float64)
-    dist.all_reduce(mean_loss)
+    # The timed steps' communication, before the measuring step adds its own.
     if mode == "zero1":
         st = buckets_state.stats()
         n = max(zero_sync["steps"], 1)
         total = st["mean_total_comm_ms"] + zero_sync["s"] * 1e3 / n
         exposed = st["mean_exposed_ms"] + zero_sync["s"] * 1e3 / n  # the broadcasts block the step
         per_step = (st["per_iteration"][-1]["bytes"] if st["per_iteration"] else 0) + zero_sync["bytes"] / n
+        iterations = [dict(it, calls=[c]) for it, c in zip(buckets_state.iterations(), zero_sync["calls"])]
     else:
         st = comm.summary()
         total, exposed, per_step = st["mean_total_comm_ms"], st["mean_exposed_ms"], st["mean_bytes"]
+        iterations = comm.iterations()
+    algorithm = "builtin" if mode in ("zero1", "fsdp", "fsdp:noreshard") else mode.split(":", 1)[1]
+    traced = trace.record(spans, iterations, algorithm) if args.get("trace") else None
+    tensors = measure_step(model, opt, ddp_bucket_bytes(net) if mode == "zero1" else 0,
+                           lambda: step(args["warmup"] + args["iters"]))
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    mean_loss = torch.tensor([loss], dtype=torch.float64)
+    dist.all_reduce(mean_loss)
     params = None
     if args.get("return_params"):
         full = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
@@ -240,4 +256,4 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     emulate_memory_limit(peak_rss, rss_before_model, args["mem_limit_mb"])
     return {"times": slowest.tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": peak_rss / 2**20,
             "util": util, "sync_total": total, "sync_exposed": exposed, "comm_bytes": per_step, **tensors,
-            "params": params}
+            "params": params, "trace": traced}
