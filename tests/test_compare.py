@@ -219,12 +219,28 @@ def test_trace_is_a_chrome_trace_that_agrees_with_the_table(tmp_path):
             if e["ph"] == "X":
                 assert isinstance(e["name"], str) and e["cat"] and e["ts"] >= 0 and e["dur"] >= 0, e
         names = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M"}
-        assert {(0, "rank 0"), (1, "rank 1"), (0, "compute"), (1, "communication"), (1, "exposed sync")} <= names
+        assert {(0, "rank 0"), (1, "rank 1"), (0, "compute"), (1, "communication"), (1, "exposed sync"),
+                (0, "peer wait")} <= names
         for rank in (0, 1):
             got = [e for e in events if e["ph"] == "X" and e["pid"] == rank]
             assert sum(e["name"] == "forward" for e in got) == sum(e["name"] == "optimizer" for e in got) == 3
             assert sum(e["name"] == "exposed sync" for e in got) == 3
             assert any(e["cat"] == "communication" and e["args"]["bytes"] > 0 for e in got)
+        # A bucket's wait for the last rank ends where that rank handed the bucket over,
+        # the latest hand-over of the bucket (or at the bucket's own end).
+        starts = {}
+        for e in events:
+            if e["ph"] == "X" and e["cat"] == "communication":
+                starts.setdefault((e["args"]["iteration"], e["name"]), {})[e["pid"]] = e
+        waits = [e for e in events if e["ph"] == "X" and e["cat"] == "peer-wait"]
+        assert waits  # with two ranks one hands each bucket over first
+        for e in waits:
+            k, what, who = e["args"]["iteration"], e["args"]["what"], e["args"]["last_rank"]
+            mine, theirs = starts[(k, what)][e["pid"]], starts[(k, what)][who]
+            assert who != e["pid"] and e["ts"] == pytest.approx(mine["ts"], abs=0.002), e
+            assert theirs["ts"] == max(b["ts"] for b in starts[(k, what)].values())
+            end = e["ts"] + e["dur"]
+            assert end == pytest.approx(min(theirs["ts"], mine["ts"] + mine["dur"]), abs=0.002), (e, theirs)
         table = rows[mode]["grad_sync_ms"]
         back = rows[mode]["trace"]["sync_ms"]
         assert back["total"] == pytest.approx(table["total"], abs=0.01)

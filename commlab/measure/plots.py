@@ -59,20 +59,23 @@ def plot_compare(doc: dict, path: str) -> None:
 
 def plot_trace(trace: dict, path: str) -> None:
     """compare --trace's swimlane: a lane per rank and track (compute, communication,
-    exposed sync), time along x, for a reader without a trace viewer."""
+    waiting for the last rank, exposed sync), time along x, for a reader without a
+    trace viewer."""
     plt = _pyplot()
     colours = {"forward": "#4c72b0", "backward": "#55a868", "optimizer": "#8172b3",
                "waiting for the buckets": "#bbbbbb", "bucket": "#dd8452", "all-gather": "#da8bc3",
-               "reduce-scatter": "#937860", "broadcast": "#ccb974", "exposed sync": "#c44e52"}
-    lane_of = {"compute": "compute", "wait": "compute", "communication": "communication", "exposed": "exposed sync"}
+               "reduce-scatter": "#937860", "broadcast": "#ccb974", "exposed sync": "#c44e52",
+               "waiting for the last rank": "#8c8c8c"}
+    lane_of = {"compute": "compute", "wait": "compute", "communication": "communication", "exposed": "exposed sync",
+               "peer-wait": "peer wait"}
     lanes: dict[tuple[int, str], list] = {}
     shown = set()
     for e in trace["traceEvents"]:
         if e.get("ph") == "X":
-            name = e["args"]["kind"] if e["cat"] == "communication" else e["name"]
+            name = {"communication": e["args"].get("kind"), "peer-wait": "waiting for the last rank"}.get(e["cat"], e["name"])
             shown.add(name)
             lanes.setdefault((e["pid"], lane_of[e["cat"]]), []).append((e["ts"] / 1e3, e["dur"] / 1e3, colours[name]))
-    tracks = ["compute", "communication", "exposed sync"]
+    tracks = ["compute", "communication", "peer wait", "exposed sync"]
     order = sorted(lanes, key=lambda k: (k[0], tracks.index(k[1])))
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(order) + 1.6))
     for y, key in enumerate(order):

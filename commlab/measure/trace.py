@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-TRACKS = {"compute": 0, "communication": 1, "exposed sync": 2}
+TRACKS = {"compute": 0, "communication": 1, "exposed sync": 2, "peer wait": 3}
 
 
 def record(compute: list[tuple[str, float, float]], iterations: list[dict], algorithm: str) -> dict:
@@ -27,8 +27,9 @@ def record(compute: list[tuple[str, float, float]], iterations: list[dict], algo
 
 def chrome_trace(records: list[dict], mode: str) -> dict:
     """One trace: a process per rank, a thread per track (compute, communication, the
-    exposed part of each iteration's synchronisation). Every communication and exposed
-    span carries its iteration, which sync_ms reads back."""
+    exposed part of each iteration's synchronisation, and the part of each collective
+    spent before the last rank had started it, naming that rank). Every communication
+    and exposed span carries its iteration, which sync_ms reads back."""
     starts = [c[1] for r in records for c in r["compute"]] + \
         [b["start"] for r in records for i in r["iterations"] for b in i.get("buckets", []) + i.get("calls", [])]
     t0 = min(starts) if starts else 0.0
@@ -38,6 +39,23 @@ def chrome_trace(records: list[dict], mode: str) -> dict:
     def span(name: str, cat: str, a: float, b: float, rank: int, track: str, args: dict) -> None:
         events.append({"name": name, "cat": cat, "ph": "X", "ts": us(a), "dur": round(max(0.0, us(b) - us(a)), 3),
                        "pid": rank, "tid": TRACKS[track], "args": args})
+
+    # Each collective's last arrival: the latest start (hand-over, for a bucket) over the
+    # ranks, which share the clock. Until then no rank's call can complete.
+    last: dict[tuple, tuple[float, int]] = {}
+    for rank, rec in enumerate(records):
+        for k, it in enumerate(rec["iterations"]):
+            for key, c in [(("bucket", b["index"]), b) for b in it.get("buckets", [])] + \
+                          [(("call", j), c) for j, c in enumerate(it.get("calls", []))]:
+                if c["start"] > last.get((k, key), (float("-inf"), -1))[0]:
+                    last[(k, key)] = (c["start"], rank)
+
+    def peer_wait(k: int, key: tuple, c: dict, rank: int, what: str) -> None:
+        at, who = last.get((k, key), (c["start"], rank))
+        if who != rank and at > c["start"]:
+            span(f"waiting for rank {who}", "peer-wait", c["start"], min(at, c["end"]), rank, "peer wait",
+                 {"what": what, "last_rank": who, "iteration": k,
+                  "from": "this rank's start", "to": "the last rank's start (or this call's end)"})
 
     for rank, rec in enumerate(records):
         events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
@@ -53,13 +71,15 @@ def chrome_trace(records: list[dict], mode: str) -> dict:
             for bk in it.get("buckets", []):
                 span(f"bucket {bk['index']}", "communication", bk["start"], bk["end"], rank, "communication",
                      {"kind": "bucket", "bytes": bk["bytes"], "algorithm": rec["algorithm"], "iteration": k})
+                peer_wait(k, ("bucket", bk["index"]), bk, rank, f"bucket {bk['index']}")
             if it.get("buckets"):
                 span("exposed sync", "exposed", it["backward_end"], max(it["last_done"], it["backward_end"]), rank,
                      "exposed sync", {"from": "the last bucket's hand-over (end of backward)",
                                       "to": "the last bucket's completion", "iteration": k})
-            for c in it.get("calls", []):
+            for j, c in enumerate(it.get("calls", [])):
                 span(c["kind"], "communication", c["start"], c["end"], rank, "communication",
                      {"kind": c["kind"], "bytes": c["bytes"], "algorithm": rec["algorithm"], "iteration": k})
+                peer_wait(k, ("call", j), c, rank, c["kind"])
                 span("exposed sync", "exposed", c["start"], c["end"], rank, "exposed sync",
                      {"from": f"the {c['kind']}'s start", "to": "its end (the step waited for all of it)",
                       "iteration": k})
