@@ -46,6 +46,21 @@ def test_bench_cli_spawn_json(tmp_path, op, dtype):
     assert csv.read_text().startswith("algorithm,bytes,count")
 
 
+@pytest.mark.parametrize("flag", ["--plot", "--json", "--csv"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_run(tmp_path, flag):
+    """Rank 0 writes the outputs after the run: a path it could not write failed it there,
+    while its peer waited out the group's timeout in the closing barrier (120 s). Now every
+    rank refuses it before anything runs."""
+    import time
+
+    bad = tmp_path / "no-such-dir" / "r.out"
+    start = time.monotonic()
+    proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "2", "-b", "4K", "-e", "4K", "--algorithms", "shm",
+                 "--anchors", "none", "-n", "2", "-w", "1", "--timeout", "60", flag, str(bad)])
+    assert proc.returncode != 0 and time.monotonic() - start < 30, proc.stderr[-2000:]
+    assert str(bad.parent) in proc.stderr, proc.stderr[-2000:]
+
+
 def test_bench_measures_every_all_gather_algorithm_checked(tmp_path):
     """--collective all_gather: every registered all-gather algorithm, sizes as nccl-tests
     prints them (the gathered output), busbw = algbw·(p-1)/p, #wrong 0 on every row."""

@@ -375,8 +375,29 @@ def _spawned_rank(rank: int, world: int, args) -> None:
     rank_main(args)  # the launcher gave it torchrun's environment
 
 
+def output_problem(args) -> str | None:
+    """Why an output could not be written, found before anything runs: rank 0 writes them
+    after the run, where a failure left its peers waiting in the closing barrier."""
+    for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot), ("--tune", args.tune)):
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            return f"{flag} {path}: the folder {folder} does not exist or is not writable"
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return "--plot needs matplotlib: pip install matplotlib (or commlab[plot])"
+    return None
+
+
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    problem = output_problem(args)
+    if problem:
+        ap.error(problem)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for what --tune records
     how = launch.detect_for_cli()
     if how is None:
