@@ -333,12 +333,47 @@ def _stacks_path(workdir: str, rank: int) -> str:
     return os.path.join(workdir, f"stacks{rank}")
 
 
+# Ranks are forked from one server process that imported torch once (multiprocessing's
+# forkserver): a spawned rank spent ~1.7 s of CPU importing torch, and the tests start
+# hundreds of ranks on two cores. A forked rank starts from the server's state, so it is
+# given what a spawned one inherited: the environment as it is now (set before commlab is
+# imported there: some settings are read at import) and this process's stdout and stderr
+# as they are now (pytest swaps them per test).
+_PRELOAD = ["torch", "torch.distributed"]
+_BOOT = """
+import os
+os.environ.clear()
+os.environ.update(env)
+for target, inherited in zip((1, 2), stdio):
+    fd = inherited.detach()
+    os.dup2(fd, target)
+    os.close(fd)
+from commlab.measure.launch import _rank_main
+_rank_main(*args)
+"""
+
+
+class _Stdio:
+    """This process's stdout and stderr, pickled as descriptors the started process
+    receives (multiprocessing's DupFd); unpickled as a plain tuple of them, so nothing
+    of commlab is imported before the environment is in place."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return tuple, ((reduction.DupFd(1), reduction.DupFd(2)),)
+
+
+def _context():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first use)
+    return ctx
+
+
 def _rank_main(rank: int, world_size: int, workdir: str, port: int, backend: str | None, pg_timeout_s: float,
-               threads: int, env: dict, inq, outq) -> None:
-    os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), COMMLAB_SPAWNED="1")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+               threads: int, inq, outq) -> None:
     import faulthandler
     import signal
     import traceback
@@ -371,7 +406,8 @@ def _init_pool_group(rank: int, world_size: int, workdir: str, backend: str, pg_
 
 
 class RankPool:
-    """The one local launcher: ranks as spawned processes on this host, each with
+    """The one local launcher: ranks as fresh processes on this host (forked from a server
+    that imported torch and nothing else, see _BOOT), each with
     torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT on loopback) and, unless backend is None, a process group already up;
     they run the functions sent to them, fn(rank, world_size, *args), and send back the
@@ -384,7 +420,6 @@ class RankPool:
 
     def __init__(self, world_size: int, *, backend: str | None = "gloo", pg_timeout_s: float = 30.0,
                  start_timeout_s: float = 120.0, env: dict | None = None, spawn=None, threads: int = 1):
-        import multiprocessing as mp
         import tempfile
 
         self.world_size = world_size
@@ -393,13 +428,17 @@ class RankPool:
         self._dir = tempfile.mkdtemp(prefix="commlab-ranks-")
         self._port = free_port()
         self._ranks = list(range(world_size) if spawn is None else spawn)
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._inq = {r: ctx.Queue() for r in self._ranks}
         self._outq = ctx.Queue()
+        common = dict(os.environ, **(env or {}), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self._port),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), COMMLAB_SPAWNED="1")
+        common.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self._procs = {
-            r: ctx.Process(target=_rank_main, args=(r, world_size, self._dir, self._port, backend, pg_timeout_s,
-                                                    threads, dict(env or {}), self._inq[r], self._outq),
-                           daemon=True, name=f"commlab-rank{r}")
+            r: ctx.Process(target=exec, args=(_BOOT, {
+                "env": dict(common, RANK=str(r), LOCAL_RANK=str(r)), "stdio": _Stdio(),
+                "args": (r, world_size, self._dir, self._port, backend, pg_timeout_s, threads, self._inq[r],
+                         self._outq)}), daemon=True, name=f"commlab-rank{r}")
             for r in self._ranks
         }
         for p in self._procs.values():
