@@ -109,7 +109,7 @@ def test_rendezvous(bare_env):
     m = bare_env
     one_host = Launch("mpi", 1, 4, 1, 4, "MPICH (hydra)", None, "job-7")
     m.setitem(sys.modules, "mpi4py", None)  # not installed
-    assert launch.rendezvous(one_host) == ("127.0.0.1", str(launch.job_port("job-7")))
+    assert launch.rendezvous(one_host) == ("127.0.0.1", None)  # rank 0's port, through a note on the host
     assert 20000 <= launch.job_port("job-7") < 32768
     m.setenv("MASTER_PORT", "29400")
     assert launch.rendezvous(one_host) == ("127.0.0.1", "29400")
@@ -240,3 +240,82 @@ def test_srun_environment_gives_torchruns_table(torchrun_table, tmp_path):
     assert doc["env"]["launcher"] == "Slurm (srun)" and doc["env"]["world_size"] == 4
     assert all(r["wrong"] == 0 for r in doc["results"])
     assert _table(doc) == torchrun_table
+
+
+_JOB = """
+import sys, torch, torch.distributed as dist
+from commlab.measure import launch
+me = launch.detect()
+launch.init(me, "gloo", 20.0, "cpu")
+t = torch.ones(1)
+dist.all_reduce(t)
+print("sum", int(t.item()), flush=True)
+launch.leave()
+"""
+
+
+def test_a_one_host_job_of_launcher_variables_alone_never_waits_for_its_store(tmp_path):
+    """Ranks that only have the launcher's variables (MPICH's hydra here, without mpi4py) and
+    share one host: the job's port was derived from its id, and CI found it held by another
+    process (EADDRINUSE on rank 0) while the other ranks waited for the store until the
+    timeout. Now rank 0 takes a port the kernel gives it and tells the others through a
+    file of the host."""
+    import socket
+    import time
+
+    job = f"kvs_{os.getpid()}_test"
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(("127.0.0.1", launch.job_port(job)))
+    held.listen(1)
+    (tmp_path / "mpi4py.py").write_text("raise ImportError('hidden by the test')\n")
+    (tmp_path / "job.py").write_text(_JOB)
+    procs = []
+    start = time.monotonic()
+    for r in range(3):
+        env = clean_launch_env(PMI_RANK=str(r), PMI_SIZE="3", PMI_KVSNAME=job, MPI_LOCALRANKID=str(r),
+                               MPI_LOCALNRANKS="3", GLOO_SOCKET_IFNAME="lo", TMPDIR=str(tmp_path))
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+        procs.append(subprocess.Popen([sys.executable, str(tmp_path / "job.py")], env=env, cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        held.close()
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [o[1][-1500:] for o in outs]
+    assert all("sum 3" in o[0] for o in outs)
+    assert time.monotonic() - start < 30
+    assert not list(tmp_path.glob("commlab-rendezvous-*"))
+
+
+def test_a_rank_0_that_cannot_start_the_store_tells_the_others(tmp_path, monkeypatch):
+    """Its note says why, and every other rank raises it at once instead of waiting."""
+    import time
+
+    monkeypatch.setattr(launch.tempfile, "gettempdir", lambda: str(tmp_path))
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("no socket for you")
+
+    monkeypatch.setattr(launch.dist, "TCPStore", refused)
+    with pytest.raises(RuntimeError, match="no socket for you"):
+        launch.one_host_store(Launch("mpi", 0, 3, 0, 3, "MPICH (hydra)", None, "job-9"), 20.0)
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="rank 0 could not start the job's store.*no socket for you"):
+        launch.one_host_store(Launch("mpi", 2, 3, 2, 3, "MPICH (hydra)", None, "job-9"), 20.0)
+    assert time.monotonic() - start < 2
+
+
+def test_a_note_left_by_a_dead_rank_0_is_not_read(tmp_path, monkeypatch):
+    """A job that crashed leaves its note; a later job with the same id must not connect
+    to the port it names: the note carries rank 0's pid, and a dead one is waited past."""
+    monkeypatch.setattr(launch.tempfile, "gettempdir", lambda: str(tmp_path))
+    me = Launch("mpi", 1, 2, 1, 2, "MPICH (hydra)", None, "job-10")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    launch._write_note(launch._note_path(me), f"port 1 {int(dead.stdout)}")
+    with pytest.raises(LaunchError, match="rank 0 did not publish"):
+        launch.one_host_store(me, 1.0)
+
+

@@ -12,6 +12,7 @@ import queue
 import re
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -262,7 +263,66 @@ def rendezvous(launch: Launch) -> tuple[str, str]:
     if not launch.job_id and not port:
         raise LaunchError(f"commlab: {launch.launcher} gave no job id to derive a port from: export MASTER_PORT "
                           "to every rank")
+    if not port and launch.master_addr is None:
+        return addr or host, None  # one host: rank 0's own port, through a note on the host (one_host_store)
     return addr or host, port or str(job_port(launch.job_id))
+
+
+def _note_path(launch: Launch) -> str:
+    import zlib
+
+    job = zlib.crc32(launch.job_id.encode())
+    return os.path.join(tempfile.gettempdir(), f"commlab-rendezvous-{os.getuid()}-{job:08x}")
+
+
+def _write_note(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)  # readers see the whole note or none
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def one_host_store(launch: Launch, timeout_s: float):
+    """The job's store when every rank is on this host and only the launcher's variables
+    say so: rank 0 listens on a port the kernel gives it (a port derived from the job's id
+    was found held by another process, and the other ranks waited out the timeout) and
+    writes it, with its pid, in a note in the host's temporary folder; a rank 0 that cannot
+    start the store writes why, which the others raise at once. A note whose rank 0 is
+    dead (a crashed job with the same id) is not read."""
+    path = _note_path(launch)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if launch.rank == 0:
+        try:
+            store = dist.TCPStore("127.0.0.1", 0, launch.world_size, True, timeout, wait_for_workers=False)
+        except Exception as e:
+            _write_note(path, f"error {os.getpid()} {e}")
+            raise
+        _write_note(path, f"port {store.port} {os.getpid()}")
+        return store
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                note = f.read().split(" ", 2)
+        except OSError:
+            note = []
+        if len(note) == 3 and note[0] == "error" and note[1].isdigit() and _alive(int(note[1])):
+            raise LaunchError(f"commlab: rank 0 could not start the job's store: {note[2]}")
+        if len(note) == 3 and note[0] == "port" and note[1].isdigit() and note[2].isdigit() and _alive(int(note[2])):
+            return dist.TCPStore("127.0.0.1", int(note[1]), launch.world_size, False, timeout)
+        time.sleep(0.05)
+    raise LaunchError(f"commlab: rank 0 did not publish its store's port in {path} within {timeout_s:.0f} s (is it "
+                      "running, on this host, with the same TMPDIR?)")
 
 
 def active() -> Launch:
@@ -281,15 +341,28 @@ def init(launch: Launch, backend: str, timeout_s: float, device: str) -> None:
 
             raise CommlabError(f"commlab: {problem}")
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+    store = None
     if launch.kind == "single":
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     elif launch.kind != "torchrun":
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = rendezvous(launch)
+        addr, port = rendezvous(launch)
+        if port is None:
+            store = one_host_store(launch, timeout_s)
+            port = str(store.port)
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(launch.rank), str(launch.world_size)
     os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(launch.local_rank), str(launch.local_world_size)
-    dist.init_process_group(backend, init_method="env://", rank=launch.rank,
-                            world_size=launch.world_size, timeout=timeout)
+    if store is None:
+        dist.init_process_group(backend, init_method="env://", rank=launch.rank,
+                                world_size=launch.world_size, timeout=timeout)
+        return
+    dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+    if launch.rank == 0:  # every rank connected through it: the note has served
+        try:
+            os.unlink(_note_path(launch))
+        except OSError:
+            pass
 
 
 def leave(together: bool = True) -> None:
