@@ -282,16 +282,6 @@ def _write_note(path: str, text: str) -> None:
     os.replace(tmp, path)  # readers see the whole note or none
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def one_host_store(launch: Launch, timeout_s: float):
     """The job's store when every rank is on this host and only the launcher's variables
     say so: rank 0 listens on a port the kernel gives it (a port derived from the job's id
@@ -299,6 +289,8 @@ def one_host_store(launch: Launch, timeout_s: float):
     writes it, with its pid, in a note in the host's temporary folder; a rank 0 that cannot
     start the store writes why, which the others raise at once. A note whose rank 0 is
     dead (a crashed job with the same id) is not read."""
+    from commlab.transports.setup import pid_alive
+
     path = _note_path(launch)
     timeout = datetime.timedelta(seconds=timeout_s)
     if launch.rank == 0:
@@ -316,9 +308,9 @@ def one_host_store(launch: Launch, timeout_s: float):
                 note = f.read().split(" ", 2)
         except OSError:
             note = []
-        if len(note) == 3 and note[0] == "error" and note[1].isdigit() and _alive(int(note[1])):
+        if len(note) == 3 and note[0] == "error" and note[1].isdigit() and pid_alive(int(note[1])):
             raise LaunchError(f"commlab: rank 0 could not start the job's store: {note[2]}")
-        if len(note) == 3 and note[0] == "port" and note[1].isdigit() and note[2].isdigit() and _alive(int(note[2])):
+        if len(note) == 3 and note[0] == "port" and note[1].isdigit() and note[2].isdigit() and pid_alive(int(note[2])):
             return dist.TCPStore("127.0.0.1", int(note[1]), launch.world_size, False, timeout)
         time.sleep(0.05)
     raise LaunchError(f"commlab: rank 0 did not publish its store's port in {path} within {timeout_s:.0f} s (is it "

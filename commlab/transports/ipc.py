@@ -25,7 +25,7 @@ from commlab.core import ext, groups
 from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError, UnsupportedError
 from commlab.core.groups import GroupInfo
 from commlab.transports import shm
-from commlab.transports.setup import Entry, agree, differing, gather, host_id, translate
+from commlab.transports.setup import Entry, agree, differing, gather, host_id, pid_alive, translate
 
 PATH_PEER, PATH_STAGED = "peer", "staged"
 
@@ -156,16 +156,6 @@ def path_of(group) -> tuple[str | None, str]:
     return entry.path, entry.why
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm: str) -> None:
     entry = _entries.get(info.group)
     with entry.lock:
@@ -191,7 +181,7 @@ def all_reduce(buf: torch.Tensor, op: int, mode: int, info: GroupInfo, algorithm
             if isinstance(error, PeerError) and lost >= 0:
                 pid = entry.pids[lost]
                 error = PeerError(f"{error} [rank {info.global_rank(lost)} is pid {pid}, "
-                                  f"{'alive' if _alive(pid) else 'dead'}]", algorithm=algorithm, peer=error.peer)
+                                  f"{'alive' if pid_alive(pid) else 'dead'}]", algorithm=algorithm, peer=error.peer)
             raise entry.call_failed("CUDA IPC", algorithm, error, e) from None
 
 

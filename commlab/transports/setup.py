@@ -70,6 +70,17 @@ class Entry:
                 self.comm = None
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host still runs (another user's counts: it runs)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def by_host(ids: list[str]) -> list[list[int]]:
     """Group ranks by their host_id(): one list of group ranks per host, hosts in order
     of their lowest rank, ranks ascending (every rank that gathered the same ids agrees)."""
