@@ -20,7 +20,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${OUT:-/tmp/commlab-gpu-check}
-PARTS=" ${*:-build tests bench compare gather share bench4 probe} "
+PARTS=" ${*:-build tests bench compare gather share colls sharded bench4 probe} "
 BUDGET=${GPU_CHECK_BUDGET:-540}
 START=$(date +%s)
 want() { [[ "$PARTS" == *" $1 "* ]]; }
@@ -81,6 +81,14 @@ want gather && step gather_2 60 "${BENCH[@]}" --collective all_gather --world-si
 
 want share && step compare_share 90 python3 -m commlab.compare --device cuda --share-gpu --world-size 2 \
   --modes ddp,ddp:ipc,ddp:ring,ddp:noop --model transformer --batch-size 32 --iters 8 --warmup 2
+
+# Every other family's algorithms that claim CUDA tensors, checked (#wrong), two ranks sharing the GPU (#27).
+want colls && step collectives_2 90 "${BENCH[@]}" --collective all --world-size 2 --algorithms all \
+  -b 4K -e 1M -f 16
+
+# The sharded modes on one GPU (#28): ZeRO-1 and FSDP2 over NCCL at world size 1 (one GPU cannot run more).
+want sharded && step sharded_1gpu 120 python3 -m commlab.compare --device cuda --gpus 1 --world-size 1 \
+  --modes ddp,zero1,fsdp --model transformer --batch-size 16 --iters 5 --warmup 2
 
 want bench4 && step bench_4 60 "${BENCH[@]}" --world-size 4 --algorithms builtin,ipc -b 4K -e 64M -f 16
 
