@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one prepared GPU check (issues #3, #6, #13, #18, #19, #30), for a machine with one NVIDIA GPU:
-#   scripts/gpu_check.sh [PART ...]   PARTs: build tests bench compare gather share bench4 probe (default: all)
+#   scripts/gpu_check.sh [PART ...]   PARTs: build tests bench compare gather share colls sharded bench4 probe (default: all)
 # A lease is ~15 minutes, machine start included, so every part runs in ONE call under one
 # time budget (GPU_CHECK_BUDGET seconds, default 540, under the device tool's 600 s a call):
 # each step gets at most what is left, a step that cannot get 20 s is skipped and said so,
