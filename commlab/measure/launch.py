@@ -5,6 +5,7 @@ run_once): the CLI's --world-size, compare's modes, doctor's smoke test, the tes
 rank pools and the bench's group."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import os
@@ -282,6 +283,13 @@ def _write_note(path: str, text: str) -> None:
     os.replace(tmp, path)  # readers see the whole note or none
 
 
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def one_host_store(launch: Launch, timeout_s: float):
     """The job's store when every rank is on this host and only the launcher's variables
     say so: rank 0 listens on a port the kernel gives it (a port derived from the job's id
@@ -300,6 +308,9 @@ def one_host_store(launch: Launch, timeout_s: float):
             _write_note(path, f"error {os.getpid()} {e}")
             raise
         _write_note(path, f"port {store.port} {os.getpid()}")
+        # Kept while rank 0 lives: a backend that connects lazily (NCCL) may return from
+        # init before every rank has read it. Once rank 0 is gone, its pid says so.
+        atexit.register(_remove, path)
         return store
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -345,16 +356,8 @@ def init(launch: Launch, backend: str, timeout_s: float, device: str) -> None:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(launch.rank), str(launch.world_size)
     os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(launch.local_rank), str(launch.local_world_size)
-    if store is None:
-        dist.init_process_group(backend, init_method="env://", rank=launch.rank,
-                                world_size=launch.world_size, timeout=timeout)
-        return
-    dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size, timeout=timeout)
-    if launch.rank == 0:  # every rank connected through it: the note has served
-        try:
-            os.unlink(_note_path(launch))
-        except OSError:
-            pass
+    where = {"init_method": "env://"} if store is None else {"store": store}
+    dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout, **where)
 
 
 def leave(together: bool = True) -> None:
