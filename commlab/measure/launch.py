@@ -319,10 +319,11 @@ def one_host_store(launch: Launch, timeout_s: float):
                 note = f.read().split(" ", 2)
         except OSError:
             note = []
-        if len(note) == 3 and note[0] == "error" and note[1].isdigit() and pid_alive(int(note[1])):
-            raise LaunchError(f"commlab: rank 0 could not start the job's store: {note[2]}")
-        if len(note) == 3 and note[0] == "port" and note[1].isdigit() and note[2].isdigit() and pid_alive(int(note[2])):
-            return dist.TCPStore("127.0.0.1", int(note[1]), launch.world_size, False, timeout)
+        kind, first, rest = note if len(note) == 3 else ("", "", "")
+        if kind == "error" and first.isdigit() and pid_alive(int(first)):
+            raise LaunchError(f"commlab: rank 0 could not start the job's store: {rest}")
+        if kind == "port" and first.isdigit() and rest.isdigit() and pid_alive(int(rest)):
+            return dist.TCPStore("127.0.0.1", int(first), launch.world_size, False, timeout)
         time.sleep(0.05)
     raise LaunchError(f"commlab: rank 0 did not publish its store's port in {path} within {timeout_s:.0f} s (is it "
                       "running, on this host, with the same TMPDIR?)")
@@ -488,8 +489,6 @@ class RankPool:
 
     def __init__(self, world_size: int, *, backend: str | None = "gloo", pg_timeout_s: float = 30.0,
                  start_timeout_s: float = 120.0, env: dict | None = None, spawn=None, threads: int = 1):
-        import tempfile
-
         self.world_size = world_size
         self.broken = False
         self.backend, self.pg_timeout_s = backend, pg_timeout_s

@@ -72,7 +72,8 @@ def plot_trace(trace: dict, path: str) -> None:
     shown = set()
     for e in trace["traceEvents"]:
         if e.get("ph") == "X":
-            name = {"communication": e["args"].get("kind"), "peer-wait": "waiting for the last rank"}.get(e["cat"], e["name"])
+            name = {"communication": e["args"].get("kind"),
+                    "peer-wait": "waiting for the last rank"}.get(e["cat"], e["name"])
             shown.add(name)
             lanes.setdefault((e["pid"], lane_of[e["cat"]]), []).append((e["ts"] / 1e3, e["dur"] / 1e3, colours[name]))
     tracks = ["compute", "communication", "peer wait", "exposed sync"]

@@ -6,8 +6,8 @@ A rank's record: its compute spans (forward, backward, optimizer of each timed
 iteration), its DDP buckets as hooks.BucketStats kept them (hand-over to completion,
 the end of backward, the last completion) and the blocking collectives of the sharded
 modes (FSDP's all-gathers and reduce-scatters, ZeRO-1's parameter broadcast): the very
-timestamps compare's table sums, so the picture and the numbers cannot disagree. Times are time.perf_counter's, which on
-Linux is CLOCK_MONOTONIC: one clock for every process of a host, no offset to estimate
+timestamps compare's table sums, so the picture and the numbers cannot disagree. Times
+are time.perf_counter's, which on Linux is CLOCK_MONOTONIC: one clock for every process of a host, no offset to estimate
 (ranks on several hosts are not traced yet)."""
 from __future__ import annotations
 

@@ -33,11 +33,20 @@ from commlab.core.errors import UnsupportedError
 
 @dataclass
 class _Step:
-    calls: int = 0
-    bytes: int = 0  # nccl-tests' sizes: the gathered output, the reduce-scattered input
-    comm_s: float = 0.0
-    by_kind: dict = field(default_factory=lambda: {"all_gather": 0, "reduce_scatter": 0})
-    calls_seen: list = field(default_factory=list)  # (kind, start, end, bytes): compare --trace's spans
+    # (kind, start, end, bytes) per call; bytes are nccl-tests' sizes: the gathered
+    # output, the reduce-scattered input. The step's sums and compare --trace's spans.
+    calls: list = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return sum(c[3] for c in self.calls)
+
+    @property
+    def comm_s(self) -> float:
+        return sum(c[2] - c[1] for c in self.calls)
+
+    def count(self, kind: str) -> int:
+        return sum(c[0] == kind for c in self.calls)
 
 
 class CommStats:
@@ -63,12 +72,7 @@ class CommStats:
     def add(self, kind: str, nbytes: int, start: float, end: float) -> None:
         """One call, from start to end (time.perf_counter)."""
         with self._lock:
-            c = self._current
-            c.calls += 1
-            c.bytes += nbytes
-            c.comm_s += end - start
-            c.by_kind[kind] += 1
-            c.calls_seen.append((kind, start, end, nbytes))
+            self._current.calls.append((kind, start, end, nbytes))
 
     def summary(self) -> dict:
         """Means over the finished steps (blocking calls: exposed = total)."""
@@ -79,16 +83,16 @@ class CommStats:
         mean = (lambda f: sum(f(s) for s in steps) / n) if n else (lambda f: 0.0)
         total = mean(lambda s: s.comm_s * 1e3)
         return {"steps": n, "mean_total_comm_ms": total, "mean_exposed_ms": total,
-                "mean_bytes": mean(lambda s: s.bytes), "mean_calls": mean(lambda s: s.calls),
-                "mean_all_gathers": mean(lambda s: s.by_kind["all_gather"]),
-                "mean_reduce_scatters": mean(lambda s: s.by_kind["reduce_scatter"])}
+                "mean_bytes": mean(lambda s: s.bytes), "mean_calls": mean(lambda s: len(s.calls)),
+                "mean_all_gathers": mean(lambda s: s.count("all_gather")),
+                "mean_reduce_scatters": mean(lambda s: s.count("reduce_scatter"))}
 
     def iterations(self) -> list[dict]:
         """The finished steps' calls, the spans summary() sums (compare --trace)."""
         with self._lock:
             steps = list(self._steps)
         return [{"calls": [{"kind": kind.replace("_", "-"), "start": a, "end": b, "bytes": n}
-                           for kind, a, b, n in s.calls_seen]} for s in steps]
+                           for kind, a, b, n in s.calls]} for s in steps]
 
 
 def _cpu(*tensors) -> None:

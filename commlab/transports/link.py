@@ -9,10 +9,10 @@ caller's group stays untouched and usable), whose sockets are known: those that
 appeared while it connected. A rank that gives up (its wait failed, it was interrupted,
 it raised inside a call, it exits on an uncaught exception) publishes why in the
 group's store, first writer wins, and shuts its connections: its peers' pending waits
-fail at once and raise the published text. (gloo does not fail a send whose connection
-broke half-way through it; the wait that runs it is aborted through Work::abort.) Peers not waiting on it learn it from the
-store, which a watcher thread reads every 100 ms while a wait is in flight, and shut
-theirs in turn. The watcher also beats a heartbeat into the store, so a peer that is
+fail at once and raise the published text (gloo does not fail a send whose connection
+broke half-way through it: the wait on it is aborted through Work::abort). Peers not
+waiting on it learn it from the store, which a watcher thread reads every 100 ms while
+a wait is in flight, and shut theirs in turn. The watcher also beats a heartbeat into the store, so a peer that is
 frozen or behind a dead link (no socket closes) is named after COMMLAB_PEER_TIMEOUT
 seconds (default 5), and it sees Ctrl-C through Python's wakeup fd while the main
 thread sits in a gloo wait. A healthy wait costs two counter updates.

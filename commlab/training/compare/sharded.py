@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from commlab.measure import trace
 from commlab.training import fsdp, hooks, workloads
 from commlab.training.compare.workers import emulate_memory_limit, timed_default_hook
+from commlab.training.predict.sharded import fsdp_algorithm
 
 
 def is_sharded(mode: str) -> bool:
@@ -240,8 +241,7 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         st = comm.summary()
         total, exposed, per_step = st["mean_total_comm_ms"], st["mean_exposed_ms"], st["mean_bytes"]
         iterations = comm.iterations()
-    algorithm = "builtin" if mode in ("zero1", "fsdp", "fsdp:noreshard") else mode.split(":", 1)[1]
-    traced = trace.record(spans, iterations, algorithm) if args.get("trace") else None
+    traced = trace.record(spans, iterations, fsdp_algorithm(mode)) if args.get("trace") else None
     tensors = measure_step(model, opt, ddp_bucket_bytes(net) if mode == "zero1" else 0,
                            lambda: step(args["warmup"] + args["iters"]))
     slowest = torch.tensor(times, dtype=torch.float64)
