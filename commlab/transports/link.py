@@ -12,10 +12,10 @@ group's store, first writer wins, and shuts its connections: its peers' pending 
 fail at once and raise the published text (gloo does not fail a send whose connection
 broke half-way through it: the wait on it is aborted through Work::abort). Peers not
 waiting on it learn it from the store, which a watcher thread reads every 100 ms while
-a wait is in flight, and shut theirs in turn. The watcher also beats a heartbeat into the store, so a peer that is
-frozen or behind a dead link (no socket closes) is named after COMMLAB_PEER_TIMEOUT
-seconds (default 5), and it sees Ctrl-C through Python's wakeup fd while the main
-thread sits in a gloo wait. A healthy wait costs two counter updates.
+a wait is in flight, and shut theirs in turn. The watcher also beats a heartbeat into
+the store, so a peer that is frozen or behind a dead link (no socket closes) is named
+after COMMLAB_PEER_TIMEOUT seconds (default 5), and it sees Ctrl-C through Python's
+wakeup fd while the main thread sits in a gloo wait. A healthy wait costs two counter updates.
 """
 from __future__ import annotations
 
