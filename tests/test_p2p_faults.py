@@ -92,7 +92,10 @@ def _mid_transfer(rank, p, nbytes):
 
     link = P2P(resolve(None), "ring")
     data = torch.zeros(nbytes, dtype=torch.uint8)
-    link.run([(data[:8], 1)], []) if rank == 0 else link.run([], [(data[:8], 0)])  # the connection is up
+    if rank == 0:  # the connection is up before the transfer that fails
+        link.run([(data[:8], 1)], [])
+    else:
+        link.run([], [(data[:8], 0)])
     store = dist.distributed_c10d._get_default_store()
     if rank == 1:
         link.post([], [(data, 0)])
