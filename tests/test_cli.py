@@ -201,6 +201,50 @@ def test_isolated_calls_start_from_the_rows_own_barrier(ranks):
         assert timed == ["barrier", "call"] * 4, events
 
 
+def _collector_while_timed(rank, p):
+    import gc
+
+    from commlab.measure.timing import Interleaved
+
+    seen = {}
+    for blocking in (False, True):
+        clock = Interleaved(device=torch.device("cpu"), iters=4, warmup=1, blocking=blocking, budget_s=1,
+                            max_iters=4, rounds=1)
+        states = []
+        clock.round("x", lambda: states.append(gc.isenabled()))
+        seen[blocking] = states
+    return seen, gc.isenabled()
+
+
+def test_the_garbage_collector_is_off_while_calls_are_timed(ranks):
+    """As timeit does: a collection of the whole process's objects (tens of ms where torch
+    is loaded), set off by garbage another row made, landed in whichever row was being
+    timed (shm's 256 KiB all-to-all at 2 ranks: 15-17 us beside gloo's row, 9 alone). The
+    untimed warm-up runs with it on; the collector is on again afterwards."""
+    for seen, after in ranks.run(2, _collector_while_timed):
+        for states in seen.values():
+            assert states[:2] == [True, True] and not any(states[2:]), states  # plan's calls, then timed ones
+        assert after
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7])
+def test_no_row_is_always_timed_after_the_same_row(n):
+    """Across the default rounds every row is timed after at least two different
+    predecessors (the first of a run has none): shm's row always followed gloo's, whose
+    sleeping ranks woke on one core and slowed the next row's calls for tens of ms."""
+    from commlab.measure.bench import parser
+    from commlab.measure.timing import round_order
+
+    rows = list(range(n))
+    rounds = parser().parse_args([]).rounds
+    sequence = [r for k in range(rounds) for r in round_order(rows, k)]
+    for k in range(rounds):
+        assert sorted(round_order(rows, k)) == rows
+    for row in rows:
+        before = {sequence[i - 1] if i else None for i, r in enumerate(sequence) if r == row}
+        assert len(before) >= 2, (row, sequence)
+
+
 def _gather_row_buffers(rank, p):
     from commlab.core.reduction import Op
     from commlab.measure.rows import registry_rows

@@ -30,7 +30,7 @@ from commlab.core.reduction import Op, parse_op
 from commlab.measure import costmodel, envinfo, launch
 from commlab.measure.rows import anchor_rows, registry_rows
 from commlab.measure.specs import SPECS, check_input, check_op
-from commlab.measure.timing import Interleaved
+from commlab.measure.timing import Interleaved, round_order
 from commlab.measure.units import format_bytes, parse_bytes
 from commlab.transports.setup import by_host, gather, host_id
 
@@ -82,8 +82,8 @@ def run_bench(args) -> dict | None:
         buf = torch.full((count,), fill, dtype=dtype, device=device)
         clock = Interleaved(device=device, iters=args.iters, warmup=args.warmup_iters, blocking=args.blocking,
                             budget_s=args.budget, max_iters=args.max_iters, rounds=args.rounds)
-        for _ in range(clock.rounds):
-            for row in rows:
+        for k in range(clock.rounds):
+            for row in round_order(rows, k):
                 progress.step(f"{row.name} {format_bytes(count * dtype.itemsize)}")
                 clock.round(row.name, lambda: row.call(buf, op), row.barrier)
                 buf.fill_(fill)

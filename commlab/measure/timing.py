@@ -9,6 +9,7 @@ descheduled makes every index look slow (docs/measurements.md#the-benchmarks-hea
 """
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -73,6 +74,17 @@ def slowest(durations: list[float], device: torch.device) -> list[float]:
     return t.cpu().tolist()
 
 
+def round_order(rows: list, k: int) -> list:
+    """The order round k times the rows in: rotated by k // 2 and reversed on odd rounds,
+    so no row always follows the same one. A row's speed depends on its predecessor
+    here: after gloo's row (ranks asleep, woken onto one core) the two ranks of the
+    next shared-memory or MPI row ran on one core for tens of ms, every call paying a
+    context switch. Every rank derives the same order (they call the rows together)."""
+    shift = (k // 2) % len(rows) if rows else 0
+    order = rows[shift:] + rows[:shift]
+    return order[::-1] if k % 2 else order
+
+
 class Interleaved:
     """Times several calls of one size side by side: `rounds` rounds, each of which
     times every call once for its share of the iterations. On a machine whose speed
@@ -123,7 +135,21 @@ class Interleaved:
 
 def _timed(call: Callable[[], None], clock: Clock, iters: int, blocking: bool, device,
            barrier: Callable[[], None] = dist.barrier) -> tuple[list[float], float]:
-    """Per-iteration durations, each the slowest rank's, and the slowest rank's total."""
+    """Per-iteration durations, each the slowest rank's, and the slowest rank's total.
+    The garbage collector is off while calls are timed, as timeit has it: a collection
+    walks every object of the process (tens of ms where torch is loaded) and is set off by
+    whatever row made the garbage, so it landed in the row that happened to be running
+    (docs/measurements.md#garbage-collection-in-the-timed-loop)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        return _timed_loop(call, clock, iters, blocking, device, barrier)
+    finally:
+        if was_on:
+            gc.enable()
+
+
+def _timed_loop(call, clock, iters, blocking, device, barrier) -> tuple[list[float], float]:
     dist.barrier()
     if blocking:
         durations = []
