@@ -375,7 +375,7 @@ def single_copy_broadcasts(rank, p, lo, hi, piece=""):
     `piece` bytes otherwise: every size and root right."""
     saved = shm.SINGLE_COPY_MIN, shm.SINGLE_COPY_MAX
     shm.SINGLE_COPY_MIN, shm.SINGLE_COPY_MAX = lo, hi
-    os.environ["COMMLAB_SHM_BROADCAST_PIECE"] = piece
+    os.environ["COMMLAB_SHM_PIECE"] = piece
     g = dist.new_group(list(range(p)))
     try:
         wrong = []
@@ -389,10 +389,10 @@ def single_copy_broadcasts(rank, p, lo, hi, piece=""):
                     wrong.append((str(dtype), n, root))
         comm = shm.state_of(commlab.core.groups.resolve(g)).comm
         return {"wrong": wrong, "min": comm.single_copy_min, "max": comm.single_copy_max,
-                "probe": comm.probe_single_copy(), "piece": comm.broadcast_piece}
+                "probe": comm.probe_single_copy(), "piece": comm.piece_bytes}
     finally:
         shm.SINGLE_COPY_MIN, shm.SINGLE_COPY_MAX = saved
-        os.environ.pop("COMMLAB_SHM_BROADCAST_PIECE")
+        os.environ.pop("COMMLAB_SHM_PIECE")
         dist.barrier()
         dist.destroy_process_group(g)
 
@@ -405,6 +405,38 @@ def test_single_copy_broadcast_is_right_at_every_size_and_root(ranks, lo, hi, pi
         assert (res["min"], res["max"]) == (lo, hi), res
         # 3 ranks on 2 cores keep whole buffers unless told (4100: not a multiple of 8 bytes)
         assert res["piece"] == (int(piece) if piece else 0), res
+
+
+def all_gathers_in_pieces(rank, p, piece):
+    """All-gathers on a group whose shm moves `piece` bytes at a time: every size, dtype
+    and slice right, including sizes that end mid-piece and pieces not a multiple of the
+    element size."""
+    os.environ["COMMLAB_SHM_PIECE"] = piece
+    g = dist.new_group(list(range(p)))
+    try:
+        wrong = []
+        for dtype, n in ((torch.float32, 1), (torch.float32, 5000), (torch.bfloat16, 100_003), (torch.int64, 70_001),
+                         (torch.uint8, (1 << 20) + 3)):
+            x = (torch.arange(n, dtype=torch.int64) % 251 + 7 * rank).to(dtype)
+            out = torch.empty(n * p, dtype=dtype)
+            commlab.all_gather(out, x, group=g, algorithm="shm")
+            want = torch.cat([(torch.arange(n, dtype=torch.int64) % 251 + 7 * r).to(dtype) for r in range(p)])
+            if not torch.equal(out, want):
+                wrong.append((str(dtype), n))
+        return {"wrong": wrong, "piece": shm.state_of(commlab.core.groups.resolve(g)).comm.piece_bytes}
+    finally:
+        os.environ.pop("COMMLAB_SHM_PIECE")
+        dist.barrier()
+        dist.destroy_process_group(g)
+
+
+@pytest.mark.parametrize("p,piece,want", [(2, "", shm.PIECE), (2, "4100", 4100), (3, "4096", 4096), (3, "", 0)])
+def test_all_gather_in_pieces_is_right_at_every_size(ranks, p, piece, want):
+    """Pieces of a buffer's part where every rank has a core (2 ranks here), whole
+    buffers where ranks share cores (3), or as told."""
+    for res in ranks.run(p, all_gathers_in_pieces, piece):
+        assert res["wrong"] == [], res
+        assert res["piece"] == want, res
 
 
 def root_dies_before_a_reader_reads(rank, p):

@@ -336,7 +336,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--anchors", default="all",
                     help="external peers measured in the same run: all (what can run here), none, or a comma list "
                          "of mpi (MPICH or Open MPI through mpi4py, under mpiexec) and deepspeed (its CPU shm all-reduce)")
-    ap.add_argument("--budget", type=float, default=0.25, help="seconds of timing per size and algorithm")
+    ap.add_argument("--budget", type=float, default=float(os.environ.get("COMMLAB_BENCH_BUDGET", 0.25)),
+                    help="seconds of timing per size and algorithm (default 0.25, or $COMMLAB_BENCH_BUDGET)")
     # OSU's count for small messages is 10,000: a fast row's rare slow phases (ranks woken
     # onto one core, a stall) then average in instead of landing in a few ms of samples.
     ap.add_argument("--max-iters", type=int, default=20000)

@@ -47,12 +47,14 @@ YIELD_US = 2000
 # 256 KiB pieces took 0.3x their time at 1-64 MiB (MIN -1: never; MAX 0: no upper bound).
 SINGLE_COPY_MIN = int(os.environ.get("COMMLAB_SHM_SINGLE_COPY_MIN", "-1"))
 SINGLE_COPY_MAX = int(os.environ.get("COMMLAB_SHM_SINGLE_COPY_MAX", "0"))
-# Bytes per piece of a broadcast through the segments, where every rank has a core: the
-# root copies one in while the receivers copy the last out, and a piece stays in cache
-# (2 ranks, 1-4 MiB: 22-24 and 85-104 us, against 24-42 and 90-145 with 1 MiB pieces).
+# Bytes per piece of a broadcast or all-gather through the segments, where every rank has
+# a core: a broadcast's root copies one in while the receivers copy the last out, and a
+# piece written by one core is read by the other from cache (2 ranks, broadcast 1-4 MiB:
+# 22-24 and 85-104 us against 24-42 and 90-145 in 1 MiB pieces; all-gather 16-64 MiB:
+# 0.58-0.62 and 3.8-4.6 ms against 0.78-0.91 and 4.8-5.2).
 # Ranks that share cores keep whole buffers: each piece's handshake can cost a context
 # switch (4 ranks, 4 MiB: 1.0-1.2 ms in 256 KiB pieces, 0.7-0.8 ms in 1 MiB ones).
-BROADCAST_PIECE = 256 << 10
+PIECE = 256 << 10
 
 
 class Mode(enum.IntEnum):
@@ -77,7 +79,7 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
     C = ext.require()
     facts = gather(info, {"host": host_id(), "cpus": sorted(os.sched_getaffinity(0)), "capacity": CAPACITY,
                           "oneshot_max": ONESHOT_MAX, "single_copy": (SINGLE_COPY_MIN, SINGLE_COPY_MAX),
-                          "broadcast_piece": os.environ.get("COMMLAB_SHM_BROADCAST_PIECE", ""),
+                          "piece": os.environ.get("COMMLAB_SHM_PIECE", ""),
                           "sched_group": sched_group()})
     hosts = [f["host"] for f in facts]
     cores = len(set().union(*(set(f["cpus"]) for f in facts)))
@@ -91,7 +93,7 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
     # Ranks configured differently would pair pieces of different sizes or modes.
     diff = differing(info, facts, {"COMMLAB_SHM_CAPACITY": "capacity", "COMMLAB_SHM_ONESHOT_MAX": "oneshot_max",
                                    "COMMLAB_SHM_SINGLE_COPY_MIN/MAX": "single_copy",
-                                   "COMMLAB_SHM_BROADCAST_PIECE": "broadcast_piece"})
+                                   "COMMLAB_SHM_PIECE": "piece"})
     if diff:
         raise CollectiveMismatchError(f"commlab[{algorithm}]: ranks configured shared memory differently: {diff}")
     # An object broadcast works on any backend: the CUDA IPC transport's host-staged
@@ -126,7 +128,7 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
             readable = gather(info, {"single_copy": comm.probe_single_copy()}, what="single-copy probe")
             comm.single_copy_min = SINGLE_COPY_MIN if all(f["single_copy"] for f in readable) else -1
         comm.single_copy_max = SINGLE_COPY_MAX
-        comm.broadcast_piece = _env_int("COMMLAB_SHM_BROADCAST_PIECE", BROADCAST_PIECE if own_cores else 0)
+        comm.piece_bytes = _env_int("COMMLAB_SHM_PIECE", PIECE if own_cores else 0)
     except CommlabError:
         # A rank may have died between creating its segment and the unlink: every
         # survivor knows the token, so every name of the group goes.

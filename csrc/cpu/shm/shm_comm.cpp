@@ -828,7 +828,8 @@ void ShmComm::allgather(const torch::Tensor& out, const torch::Tensor& in) {
   char* dst = static_cast<char*>(out.data_ptr());
   const char* src = static_cast<const char*>(in.data_ptr());
   if (nothing_to_exchange(dst, src, nbytes, world_)) return;
-  const int64_t max_piece = (capacity_ / elsize) * elsize;
+  const int64_t piece = piece_bytes_ > 0 ? std::min(piece_bytes_, capacity_) : capacity_;
+  const int64_t max_piece = std::max<int64_t>(1, piece / elsize) * elsize;
   const Call call{kAllGather, nbytes, static_cast<int32_t>(in.scalar_type()), -1, -1, -1};
   guarded([&] {
     int64_t index = 0;
@@ -888,7 +889,7 @@ void ShmComm::broadcast(const torch::Tensor& t, int64_t root) {
   const int64_t nbytes = t.numel() * elsize;
   if (nbytes == 0 || world_ == 1) return;
   // Pieces smaller than a buffer: the root copies one in while the receivers copy the last out.
-  const int64_t piece = broadcast_piece_ > 0 ? std::min(broadcast_piece_, capacity_) : capacity_;
+  const int64_t piece = piece_bytes_ > 0 ? std::min(piece_bytes_, capacity_) : capacity_;
   const int64_t max_piece = std::max<int64_t>(1, piece / elsize) * elsize;
   char* data = static_cast<char*>(t.data_ptr());
   const int from = static_cast<int>(root);

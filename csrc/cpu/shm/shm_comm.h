@@ -77,9 +77,9 @@ class ShmComm {
   void set_single_copy_min(int64_t bytes) { single_copy_min_ = bytes; }
   int64_t single_copy_max() const { return single_copy_max_; }
   void set_single_copy_max(int64_t bytes) { single_copy_max_ = bytes; }
-  // Bytes per broadcast piece through the segments (<= 0 or above capacity: capacity).
-  int64_t broadcast_piece() const { return broadcast_piece_; }
-  void set_broadcast_piece(int64_t bytes) { broadcast_piece_ = bytes; }
+  // Bytes per piece of a broadcast or all-gather through the segments (<= 0 or above capacity: capacity).
+  int64_t piece_bytes() const { return piece_bytes_; }
+  void set_piece_bytes(int64_t bytes) { piece_bytes_ = bytes; }
   // Gives up on this communicator for a reason found outside it (another stage of a
   // hierarchical call failed): peers waiting on this rank fail at once, with `why`.
   void abort(const std::string& why);
@@ -139,7 +139,7 @@ class ShmComm {
   int64_t peer_timeout_ms_ = 5000;
   int64_t single_copy_min_ = -1;
   int64_t single_copy_max_ = 0;
-  int64_t broadcast_piece_ = 0;
+  int64_t piece_bytes_ = 0;
   uint64_t fork_generation_;
   std::vector<int64_t> global_ranks_;
   std::vector<Segment*> segs_;
