@@ -139,7 +139,7 @@ def _timed(call: Callable[[], None], clock: Clock, iters: int, blocking: bool, d
     The garbage collector is off while calls are timed, as timeit has it: a collection
     walks every object of the process (tens of ms where torch is loaded) and is set off by
     whatever row made the garbage, so it landed in the row that happened to be running
-    (docs/measurements.md#garbage-collection-in-the-timed-loop)."""
+    (docs/measurements.md#every-family-measured-again-the-timings-fixes-and-all-gather-in-pieces)."""
     was_on = gc.isenabled()
     gc.disable()
     try:
