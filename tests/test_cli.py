@@ -46,7 +46,43 @@ def test_bench_cli_spawn_json(tmp_path, op, dtype):
     assert csv.read_text().startswith("algorithm,bytes,count")
 
 
-@pytest.mark.parametrize("flag", ["--plot", "--json", "--csv"])
+@pytest.mark.parametrize("blocking", [False, True])
+def test_bench_trace_holds_every_timed_call_and_gives_back_the_table(tmp_path, blocking):
+    """--trace: per rank and algorithm every timed call as a span, in order, none
+    overlapping; the table's time read back from the spans (back-to-back: the slowest
+    rank's loop per round, summed; isolated: the slowest rank per call)."""
+    out, trace_path = tmp_path / "r.json", tmp_path / "t.json"
+    proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "3", "-b", "1K", "-e", "64K", "-f", "8",
+                 "-n", "8", "--rounds", "2", "--algorithms", "builtin,shm,ring", "--anchors", "none", "--quiet",
+                 "--json", str(out), "--trace", str(trace_path)] + (["--blocking"] if blocking else []))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert "trace" not in json.loads(out.read_text())
+    spans = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 3 * 3 * 3 * 8  # ranks x algorithms x sizes x calls
+    for rank in range(3):
+        mine = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["pid"] == rank)
+        assert all(a[1] <= b[0] + 1e-3 for a, b in zip(mine, mine[1:]))  # one call at a time
+    for r in rows:
+        name = f"{r['algorithm']} {format_bytes(r['bytes'])}"
+        mine = [e for e in spans if e["name"] == name]
+        assert len(mine) == 3 * 8
+        if blocking:
+            per_call: dict = {}
+            for e in mine:
+                key = (e["args"]["round"], e["args"]["call"])
+                per_call[key] = max(per_call.get(key, 0.0), e["dur"])
+            total = sum(per_call.values())
+        else:
+            per_round: dict = {}
+            for e in mine:
+                key = (e["args"]["round"], e["pid"])
+                per_round[key] = per_round.get(key, 0.0) + e["dur"]
+            total = sum(max(v for (k, _), v in per_round.items() if k == rd) for rd in (0, 1))
+        assert total / r["iters"] == pytest.approx(r["time_us"], rel=1e-3, abs=0.01), name
+
+
+@pytest.mark.parametrize("flag", ["--plot", "--json", "--csv", "--trace"])
 def test_an_output_that_cannot_be_written_is_refused_before_the_run(tmp_path, flag):
     """Rank 0 writes the outputs after the run: a path it could not write failed it there,
     while its peer waited out the group's timeout in the closing barrier (120 s). Now every
@@ -59,6 +95,13 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_run(tmp_path, fl
                  "--anchors", "none", "-n", "2", "-w", "1", "--timeout", "60", flag, str(bad)])
     assert proc.returncode != 0 and time.monotonic() - start < 30, proc.stderr[-2000:]
     assert str(bad.parent) in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_gpu_trace_is_refused_before_the_run():
+    from commlab.measure.bench import output_problem, parser
+
+    args = parser().parse_args(["--device", "cuda", "--trace", "t.json"])
+    assert "CPU tensors only" in output_problem(args)
 
 
 def test_bench_measures_every_all_gather_algorithm_checked(tmp_path):

@@ -59,6 +59,9 @@ def run_bench(args) -> dict | None:
     sizes = size_list(args)
     env = envinfo.collect(device)
     env["ranks_per_host"], env["machine_ranks"] = host_layout()
+    if getattr(args, "trace", None) and len(env["ranks_per_host"]) > 1:  # every rank sees the same layout
+        raise ValueError(f"commlab bench: --trace needs every rank on one host (ranks per host: "
+                         f"{env['ranks_per_host']}); hosts' clocks are not aligned yet")
     env["cores"] = len(os.sched_getaffinity(0))
     env["gamma_us_per_byte"] = costmodel.measure_gamma_us_per_byte(dtype, device)
     if device.type == "cpu" and spec.floors and any(algorithms.get(r.name).memory_traffic(p, 1 << 20) is not None
@@ -73,7 +76,7 @@ def run_bench(args) -> dict | None:
         env["handoffs"] = costmodel.measure_handoffs()
         small = [n for n in sizes if n in SMALL_FLOOR_SIZES] or [min(sizes)]
         env["hot_copy_us"] = {str(n): costmodel.hot_copy_us(n) for n in small}
-    results = []
+    results, traced = [], []
     progress = Progress(len(sizes) * len(rows) * max(1, args.rounds),
                         enabled=(rank == 0 and sys.stderr.isatty() and not args.quiet))
     for nbytes in sizes:
@@ -81,12 +84,16 @@ def run_bench(args) -> dict | None:
         fill = 1 if op is Op.PRODUCT else 0  # stays finite however often it is reduced
         buf = torch.full((count,), fill, dtype=dtype, device=device)
         clock = Interleaved(device=device, iters=args.iters, warmup=args.warmup_iters, blocking=args.blocking,
-                            budget_s=args.budget, max_iters=args.max_iters, rounds=args.rounds)
+                            budget_s=args.budget, max_iters=args.max_iters, rounds=args.rounds,
+                            trace_calls=TRACE_CALLS if getattr(args, "trace", None) else 0)
         for k in range(clock.rounds):
             for row in round_order(rows, k):
                 progress.step(f"{row.name} {format_bytes(count * dtype.itemsize)}")
                 clock.round(row.name, lambda: row.call(buf, op), row.barrier)
                 buf.fill_(fill)
+        size_b = spec.size(count, dtype.itemsize, p)
+        traced += [{"algorithm": t["key"], "bytes": size_b, "size": format_bytes(size_b), "round": t["round"],
+                    "calls": t["calls"]} for t in clock.traced]
         for row in rows:
             t = clock.result(row.name)
             wrong = -1
@@ -113,6 +120,10 @@ def run_bench(args) -> dict | None:
     env["timing"] = "isolated calls after a tight barrier of each row's transport" if args.blocking else \
         "back-to-back calls (nccl-tests' loop time)"
     doc = {"collective": collective, "env": env, "results": results}
+    if getattr(args, "trace", None):
+        per_rank = [None] * p
+        dist.all_gather_object(per_rank, traced)  # small: at most TRACE_CALLS calls a round
+        doc["trace"] = per_rank
     if getattr(args, "tune", None) and spec.tunes:
         doc["tuning"] = tuning_entry(args, doc, device, names)
     return doc if rank == 0 else None
@@ -227,6 +238,9 @@ def report(doc: dict) -> str:
     return "\n".join(lines)
 
 
+# --trace keeps this many calls of each row's round per rank: enough to see a slow phase
+# (tens of ms at a few us a call), small enough for Perfetto at every size of a sweep.
+TRACE_CALLS = 2000
 FLOOR_MIN_BYTES = 1 << 20  # below this, synchronisation, not memory, bounds the time
 
 
@@ -299,6 +313,12 @@ def write_outputs(doc: dict, args, suffix: str | None = None) -> None:
     if doc.get("tuning"):
         t = doc["tuning"]
         tuning.write(args.tune, t["device"], t["world_size"], t["hosts"], t["ranges"], t["measured"])
+    traced = doc.pop("trace", None)
+    if traced is not None:
+        from commlab.measure import trace
+
+        trace.write(trace.bench_trace(traced, {"collective": doc["collective"], "timing": doc["env"]["timing"]}),
+                    named(args.trace))
     if args.json:
         with open(named(args.json), "w") as f:
             json.dump(doc, f, indent=2)
@@ -349,6 +369,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--world-size", type=int, default=None, help="spawn this many local ranks (no torchrun)")
     ap.add_argument("--timeout", type=float, default=120.0, help="process-group timeout in seconds")
     ap.add_argument("--json"), ap.add_argument("--csv"), ap.add_argument("--plot")
+    ap.add_argument("--trace", metavar="FILE",
+                    help="CPU: every rank's timed calls (up to 2000 a round) as one Chrome trace (Perfetto, "
+                         "chrome://tracing): a process per rank, a thread per algorithm; ranks on one host")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--tune", metavar="FILE",
                     help="write the fastest correct algorithm per size range for this layout into FILE (kept "
@@ -381,7 +404,10 @@ def _spawned_rank(rank: int, world: int, args) -> None:
 def output_problem(args) -> str | None:
     """Why an output could not be written, found before anything runs: rank 0 writes them
     after the run, where a failure left its peers waiting in the closing barrier."""
-    for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot), ("--tune", args.tune)):
+    if getattr(args, "trace", None) and args.device != "cpu":
+        return "--trace records host clocks: CPU tensors only (a GPU's calls are timed by CUDA events)"
+    for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot), ("--tune", args.tune),
+                       ("--trace", getattr(args, "trace", None))):
         if not path:
             continue
         folder = os.path.dirname(os.path.abspath(path))

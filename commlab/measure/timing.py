@@ -92,13 +92,16 @@ class Interleaved:
     phases, so their ratios hold even when absolute times move."""
 
     def __init__(self, *, device: torch.device, iters: int | None, warmup: int, blocking: bool,
-                 budget_s: float, max_iters: int, rounds: int):
+                 budget_s: float, max_iters: int, rounds: int, trace_calls: int = 0):
         self.clock = Clock(device)
         self.device, self.iters, self.warmup, self.blocking = device, iters, warmup, blocking
         self.budget_s, self.max_iters, self.rounds = budget_s, max_iters, max(1, rounds)
         self._per_round: dict[object, int] = {}
         self._durations: dict[object, list[float]] = {}
         self._total_us: dict[object, float] = {}
+        # --trace: this rank's own timed calls, (start, end) in perf_counter seconds, at
+        # most trace_calls of each round: {"key", "round", "calls"} per round.
+        self.trace_calls, self.traced = trace_calls, []
 
     def _plan(self, call: Callable[[], None]) -> int:
         """Warm up once and decide how many iterations each round gets (agreed across ranks)."""
@@ -122,8 +125,11 @@ class Interleaved:
             self._per_round[key] = self._plan(call)
             self._durations[key] = []
             self._total_us[key] = 0.0
-        durations, total = _timed(call, self.clock, self._per_round[key], self.blocking, self.device,
-                                  barrier or dist.barrier)
+        durations, total, calls = _timed(call, self.clock, self._per_round[key], self.blocking, self.device,
+                                         barrier or dist.barrier)
+        if self.trace_calls and calls is not None:
+            done = sum(1 for t in self.traced if t["key"] == key)
+            self.traced.append({"key": key, "round": done, "calls": calls[:self.trace_calls]})
         self._durations[key].extend(durations)
         self._total_us[key] += total
 
@@ -134,8 +140,10 @@ class Interleaved:
 
 
 def _timed(call: Callable[[], None], clock: Clock, iters: int, blocking: bool, device,
-           barrier: Callable[[], None] = dist.barrier) -> tuple[list[float], float]:
-    """Per-iteration durations, each the slowest rank's, and the slowest rank's total.
+           barrier: Callable[[], None] = dist.barrier) -> tuple[list[float], float, list | None]:
+    """Per-iteration durations, each the slowest rank's, the slowest rank's total, and
+    this rank's own (start, end) of every timed call (perf_counter seconds; None on a GPU,
+    whose events have no common clock).
     The garbage collector is off while calls are timed, as timeit has it: a collection
     walks every object of the process (tens of ms where torch is loaded) and is set off by
     whatever row made the garbage, so it landed in the row that happened to be running
@@ -149,19 +157,22 @@ def _timed(call: Callable[[], None], clock: Clock, iters: int, blocking: bool, d
             gc.enable()
 
 
-def _timed_loop(call, clock, iters, blocking, device, barrier) -> tuple[list[float], float]:
+def _timed_loop(call, clock, iters, blocking, device, barrier) -> tuple[list[float], float, list | None]:
     dist.barrier()
     if blocking:
-        durations = []
+        durations, calls = [], []
         for _ in range(iters):
             # The transport's own barrier: gloo's releases 4 ranks on 2 cores milliseconds
             # apart, and a call timed after it would measure that skew.
             barrier()
             start = clock.mark()
             call()
-            durations.extend(clock.durations_us([start, clock.mark()]))
+            end = clock.mark()
+            durations.extend(clock.durations_us([start, end]))
+            calls.append((start, end))
         worst = slowest(durations, device)
-        return worst, sum(worst)  # every call starts together: the slowest rank per call
+        # every call starts together: the slowest rank per call
+        return worst, sum(worst), None if clock.cuda else calls
     # A barrier releases the ranks up to milliseconds apart when they outnumber the
     # cores; one untimed call lines them up again, so the first sample is not skew.
     call()
@@ -172,4 +183,4 @@ def _timed_loop(call, clock, iters, blocking, device, barrier) -> tuple[list[flo
     durations = clock.durations_us(marks)
     # The loop's total rides along as one more element of the element-wise MAX.
     worst = slowest(durations + [sum(durations)], device)
-    return worst[:-1], worst[-1]
+    return worst[:-1], worst[-1], None if clock.cuda else list(zip(marks, marks[1:]))

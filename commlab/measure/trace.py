@@ -88,6 +88,29 @@ def chrome_trace(records: list[dict], mode: str) -> dict:
                           "source": "commlab.compare --trace"}}
 
 
+def bench_trace(ranks: list[list[dict]], meta: dict) -> dict:
+    """The benchmark's --trace: per rank (a process), per algorithm (a thread), every
+    timed call it recorded as a span, its size, round and index in args. `ranks[r]` is
+    rank r's list of {"algorithm", "bytes", "round", "calls": [(start s, end s), ...]}."""
+    starts = [c[0] for rounds in ranks for rd in rounds for c in rd["calls"]]
+    t0 = min(starts) if starts else 0.0
+    names = sorted({rd["algorithm"] for rounds in ranks for rd in rounds})
+    events = []
+    for rank, rounds in enumerate(ranks):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
+        for tid, name in enumerate(names):
+            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}})
+        for rd in rounds:
+            label = f"{rd['algorithm']} {rd['size']}"
+            for j, (a, b) in enumerate(rd["calls"]):
+                events.append({"name": label, "cat": "call", "ph": "X", "ts": round((a - t0) * 1e6, 3),
+                               "dur": round((b - a) * 1e6, 3), "pid": rank, "tid": names.index(rd["algorithm"]),
+                               "args": {"bytes": rd["bytes"], "round": rd["round"], "call": j}})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {**meta, "clock": "time.perf_counter (CLOCK_MONOTONIC), one host: no offsets",
+                          "source": "commlab.allreduce_bench --trace"}}
+
+
 def sync_ms(trace: dict) -> dict:
     """The table's sync figures back from a trace: per rank the mean over iterations of
     the summed communication spans (total) and of the exposed spans; the largest rank's,
