@@ -370,6 +370,15 @@ def test_family_fast_path_serves_like_calls_and_steps_aside_for_others(ranks, co
         assert took < 5, res
 
 
+# Sizes that end mid-piece, odd element counts, every element size, one past a buffer.
+PIECE_CASES = ((torch.float32, 1), (torch.float32, 5000), (torch.bfloat16, 100_003), (torch.int64, 70_001),
+               (torch.uint8, (1 << 20) + 3))
+
+
+def _pattern(n: int, dtype, who: int) -> torch.Tensor:
+    return (torch.arange(n, dtype=torch.int64) % 251 + 7 * who).to(dtype)
+
+
 def single_copy_broadcasts(rank, p, lo, hi, piece=""):
     """Broadcasts on a group whose shm takes one copy for [lo, hi) bytes and pieces of
     `piece` bytes otherwise: every size and root right."""
@@ -379,12 +388,11 @@ def single_copy_broadcasts(rank, p, lo, hi, piece=""):
     g = dist.new_group(list(range(p)))
     try:
         wrong = []
-        for dtype, n in ((torch.float32, 1), (torch.float32, 5000), (torch.bfloat16, 100_003), (torch.int64, 70_001),
-                         (torch.uint8, (1 << 20) + 3)):
+        for dtype, n in PIECE_CASES:
             for root in range(p):
-                x = (torch.arange(n, dtype=torch.int64) % 251 + 7 * rank).to(dtype)
+                x = _pattern(n, dtype, rank)
                 commlab.broadcast(x, src=root, group=g, algorithm="shm")
-                want = (torch.arange(n, dtype=torch.int64) % 251 + 7 * root).to(dtype)
+                want = _pattern(n, dtype, root)
                 if not torch.equal(x, want):
                     wrong.append((str(dtype), n, root))
         comm = shm.state_of(commlab.core.groups.resolve(g)).comm
@@ -415,12 +423,10 @@ def all_gathers_in_pieces(rank, p, piece):
     g = dist.new_group(list(range(p)))
     try:
         wrong = []
-        for dtype, n in ((torch.float32, 1), (torch.float32, 5000), (torch.bfloat16, 100_003), (torch.int64, 70_001),
-                         (torch.uint8, (1 << 20) + 3)):
-            x = (torch.arange(n, dtype=torch.int64) % 251 + 7 * rank).to(dtype)
+        for dtype, n in PIECE_CASES:
             out = torch.empty(n * p, dtype=dtype)
-            commlab.all_gather(out, x, group=g, algorithm="shm")
-            want = torch.cat([(torch.arange(n, dtype=torch.int64) % 251 + 7 * r).to(dtype) for r in range(p)])
+            commlab.all_gather(out, _pattern(n, dtype, rank), group=g, algorithm="shm")
+            want = torch.cat([_pattern(n, dtype, r) for r in range(p)])
             if not torch.equal(out, want):
                 wrong.append((str(dtype), n))
         return {"wrong": wrong, "piece": shm.state_of(commlab.core.groups.resolve(g)).comm.piece_bytes}
