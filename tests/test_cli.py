@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -242,6 +243,27 @@ def test_isolated_calls_start_from_the_rows_own_barrier(ranks):
     for events in ranks.run(2, _blocking_barriers):
         timed = events[events.index("barrier"):]  # after the untimed setup/warm-up calls
         assert timed == ["barrier", "call"] * 4, events
+
+
+def _planned_iterations(rank, p):
+    from commlab.measure.timing import Interleaved
+
+    state = {"n": 0}
+
+    def call():  # the first calls slow, as a new size's faults make them, then 1 ms
+        state["n"] += 1
+        time.sleep(0.02 if state["n"] <= 3 else 0.001)
+
+    clock = Interleaved(device=torch.device("cpu"), iters=None, warmup=4, blocking=False, budget_s=0.1,
+                        max_iters=1000, rounds=1)
+    return clock._plan(call)
+
+
+def test_a_row_whose_first_calls_are_slow_still_fills_its_budget(ranks):
+    """0.1 s of 1 ms calls is ~100 iterations; planned from the mean of slow first calls
+    it was ~6."""
+    for n in ranks.run(2, _planned_iterations):
+        assert 50 <= n <= 110, n
 
 
 def _collector_while_timed(rank, p):
