@@ -821,6 +821,11 @@ bool nothing_to_exchange(char* dst, const char* src, int64_t nbytes, int world) 
 }
 }  // namespace
 
+int64_t ShmComm::piece_limit(int64_t elsize) const {
+  const int64_t piece = piece_bytes_ > 0 ? std::min(piece_bytes_, capacity_) : capacity_;
+  return std::max<int64_t>(1, piece / elsize) * elsize;
+}
+
 void ShmComm::allgather(const torch::Tensor& out, const torch::Tensor& in) {
   check_usable();
   const int64_t nbytes = check_pair(out, "output", in, "input", "all_gather", world_);
@@ -828,8 +833,7 @@ void ShmComm::allgather(const torch::Tensor& out, const torch::Tensor& in) {
   char* dst = static_cast<char*>(out.data_ptr());
   const char* src = static_cast<const char*>(in.data_ptr());
   if (nothing_to_exchange(dst, src, nbytes, world_)) return;
-  const int64_t piece = piece_bytes_ > 0 ? std::min(piece_bytes_, capacity_) : capacity_;
-  const int64_t max_piece = std::max<int64_t>(1, piece / elsize) * elsize;
+  const int64_t max_piece = piece_limit(elsize);
   const Call call{kAllGather, nbytes, static_cast<int32_t>(in.scalar_type()), -1, -1, -1};
   guarded([&] {
     int64_t index = 0;
@@ -889,8 +893,7 @@ void ShmComm::broadcast(const torch::Tensor& t, int64_t root) {
   const int64_t nbytes = t.numel() * elsize;
   if (nbytes == 0 || world_ == 1) return;
   // Pieces smaller than a buffer: the root copies one in while the receivers copy the last out.
-  const int64_t piece = piece_bytes_ > 0 ? std::min(piece_bytes_, capacity_) : capacity_;
-  const int64_t max_piece = std::max<int64_t>(1, piece / elsize) * elsize;
+  const int64_t max_piece = piece_limit(elsize);
   char* data = static_cast<char*>(t.data_ptr());
   const int from = static_cast<int>(root);
   if (single_copy_min_ >= 0 && nbytes >= single_copy_min_ && (single_copy_max_ <= 0 || nbytes < single_copy_max_)) {

@@ -124,6 +124,9 @@ class ShmComm {
   void check_info(int peer, uint64_t piece_seq);
   bool peer_alive(int peer) const;
   void read_peer(int peer, char* dst, uint64_t addr, int64_t nbytes);
+  // Bytes a broadcast or all-gather moves per piece: piece_bytes_ (capacity if unset or
+  // larger), a whole number of elements and at least one.
+  int64_t piece_limit(int64_t elsize) const;
   void piece(char* dst, const char* src, int64_t total, int64_t index, int64_t nbytes, int64_t elsize,
              c10::ScalarType dtype, int op, ShmMode mode);
   [[noreturn]] void fail_wait(int peer, uint64_t target, uint32_t kind, const char* why);
