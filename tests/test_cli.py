@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -246,24 +245,35 @@ def test_isolated_calls_start_from_the_rows_own_barrier(ranks):
 
 
 def _planned_iterations(rank, p):
-    from commlab.measure.timing import Interleaved
+    from commlab.measure import timing
+
+    class Clock:  # the module's time, advanced by each call's own duration
+        now = 0.0
+
+        @classmethod
+        def perf_counter(cls):
+            return cls.now
 
     state = {"n": 0}
 
-    def call():  # the first calls slow, as a new size's faults make them, then 1 ms
+    def call():  # the first calls slow, as a new size's faults make them, then ~1 ms (exact in binary)
         state["n"] += 1
-        time.sleep(0.02 if state["n"] <= 3 else 0.001)
+        Clock.now += 2.0 ** -5 if state["n"] <= 3 else 2.0 ** -10
 
-    clock = Interleaved(device=torch.device("cpu"), iters=None, warmup=4, blocking=False, budget_s=0.1,
-                        max_iters=1000, rounds=1)
-    return clock._plan(call)
+    saved, timing.time = timing.time, Clock
+    try:
+        clock = timing.Interleaved(device=torch.device("cpu"), iters=None, warmup=4, blocking=False,
+                                   budget_s=0.125, max_iters=1000, rounds=1)
+        return clock._plan(call)
+    finally:
+        timing.time = saved
 
 
 def test_a_row_whose_first_calls_are_slow_still_fills_its_budget(ranks):
-    """0.1 s of 1 ms calls is ~100 iterations; planned from the mean of slow first calls
-    it was ~6."""
+    """1/8 s of 1/1024 s calls is 128 iterations; planned from the mean of the warm-up
+    calls (two of 1/32 s, two of 1/1024 s) it was 7. The module's clock is faked."""
     for n in ranks.run(2, _planned_iterations):
-        assert 50 <= n <= 110, n
+        assert n == 128, n
 
 
 def _collector_while_timed(rank, p):
