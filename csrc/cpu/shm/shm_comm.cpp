@@ -609,10 +609,13 @@ void ShmComm::wait_seq(int peer, uint64_t target) {
   }
 }
 
-// Records piece c of `call` and announces it (phase 1): the caller copied its data first.
-void ShmComm::begin(uint64_t c, const Call& call, int64_t index, int64_t nbytes) {
+// Records piece c of `call` and announces it (phase 1, or a later phase that implies it):
+// the caller copied its data first.
+void ShmComm::begin(uint64_t c, const Call& call, int64_t index, int64_t nbytes, uint64_t phase) {
   CallInfo& ci = segs_[rank_]->ctl()->info[c & 1];
-  ci.piece_seq = c;
+  // The sequence first: a reader that saw the record change under it sees this change.
+  __atomic_store_n(&ci.piece_seq, c, __ATOMIC_RELAXED);
+  std::atomic_thread_fence(std::memory_order_release);
   ci.call = calls_;
   ci.total = call.total;
   ci.index = index;
@@ -622,24 +625,31 @@ void ShmComm::begin(uint64_t c, const Call& call, int64_t index, int64_t nbytes)
   ci.mode = call.mode;
   ci.kind = call.kind;
   ci.root = call.root;
-  publish(c * 4 + 1);
+  publish(c * 4 + phase);
 }
 
 // Waits for `peer` to reach piece c, phase `phase`, having checked its record first: a
 // peer in another collective never publishes our phase 2, but always its phase 1.
-void ShmComm::await_checked(int peer, uint64_t c, uint64_t phase) {
+// `peer_may_be_past`: where a peer may leave piece c before we check it (the broadcast's
+// receivers wait for the root only) and write this record slot again, a peer past c
+// compared its record with ours before it left.
+void ShmComm::await_checked(int peer, uint64_t c, uint64_t phase, bool peer_may_be_past) {
   wait_for(peer, c * 4 + 1);
-  check_info(peer, c);
+  check_info(peer, c, peer_may_be_past);
   if (phase > 1) wait_for(peer, c * 4 + phase);
 }
 
-void ShmComm::check_info(int peer, uint64_t piece_seq) {
+void ShmComm::check_info(int peer, uint64_t piece_seq, bool peer_may_be_past) {
   const CallInfo& mine = segs_[rank_]->ctl()->info[piece_seq & 1];
   const CallInfo& theirs = segs_[peer]->ctl()->info[piece_seq & 1];
   if (theirs.piece_seq == mine.piece_seq && theirs.call == mine.call && theirs.total == mine.total &&
       theirs.index == mine.index && theirs.nbytes == mine.nbytes && theirs.dtype == mine.dtype &&
       theirs.op == mine.op && theirs.mode == mine.mode && theirs.kind == mine.kind && theirs.root == mine.root) {
     return;
+  }
+  if (peer_may_be_past) {
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (__atomic_load_n(&theirs.piece_seq, __ATOMIC_RELAXED) > piece_seq) return;
   }
   auto describe = [](std::ostringstream& out, int64_t rank, const CallInfo& ci) {
     out << "rank " << rank << ": call " << ci.call << " " << kind_name(ci.kind);
@@ -924,23 +934,33 @@ void ShmComm::broadcast(const torch::Tensor& t, int64_t root) {
   const Call call{kBroadcast, nbytes, static_cast<int32_t>(t.scalar_type()), -1, -1, static_cast<int32_t>(root)};
   guarded([&] {
     int64_t index = 0;
+    uint64_t c = 0;
     for (int64_t done = 0; done < nbytes; done += max_piece, ++index) {
       const int64_t n = std::min(max_piece, nbytes - done);
-      const uint64_t c = ++seq_;
+      c = ++seq_;
       const int par = static_cast<int>(c & 1);
       if (rank_ == from) {
-        std::memcpy(segs_[rank_]->data(par, capacity_), data + done, n);
-        begin(c, call, index, n);
-        // Phase 2 says every rank is at this piece: a receiver then knows every peer is.
-        for (int j = 0; j < world_; ++j) {
-          if (j != rank_) await_checked(j, c, 1);
+        // The buffer last held piece c - 2, which a receiver has copied out once it is at
+        // c - 1 (before this call's first piece, the last call's end saw to that).
+        if (index > 0) {
+          for (int j = 0; j < world_; ++j) {
+            if (j != rank_) await_checked(j, c - 1, 1, true);
+          }
         }
-        publish(c * 4 + 2);
+        std::memcpy(segs_[rank_]->data(par, capacity_), data + done, n);
+        // Published at once, arrived or not: each receiver checks the record against its
+        // own call before it copies (a late receiver held every other one back before).
+        begin(c, call, index, n, 2);
       } else {
         begin(c, call, index, n);
-        await_checked(from, c, 2);
+        await_checked(from, c, 2, true);
         std::memcpy(data + done, segs_[from]->data(par, capacity_), n);
       }
+    }
+    // Every rank ends knowing every peer reached the last piece, with the same call: so
+    // every buffer is free for the next call, and a mismatch fails every rank.
+    for (int j = 0; j < world_; ++j) {
+      if (j != rank_ && j != from) await_checked(j, c, 1, true);
     }
   });
 }

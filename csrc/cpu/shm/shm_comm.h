@@ -109,8 +109,8 @@ class ShmComm {
   struct Call;
   template <class Body>
   void guarded(Body&& body);
-  void begin(uint64_t c, const Call& call, int64_t index, int64_t nbytes);
-  void await_checked(int peer, uint64_t c, uint64_t phase);
+  void begin(uint64_t c, const Call& call, int64_t index, int64_t nbytes, uint64_t phase = 1);
+  void await_checked(int peer, uint64_t c, uint64_t phase, bool peer_may_be_past = false);
   void check_usable() const;
   void publish(uint64_t value);
   void wait_for(int peer, uint64_t target);
@@ -121,7 +121,7 @@ class ShmComm {
   [[noreturn]] void give_up(uint32_t kind, int64_t cause, const std::string& why);
   [[noreturn]] void relay(int peer);
   void check_aborts();
-  void check_info(int peer, uint64_t piece_seq);
+  void check_info(int peer, uint64_t piece_seq, bool peer_may_be_past = false);
   bool peer_alive(int peer) const;
   void read_peer(int peer, char* dst, uint64_t addr, int64_t nbytes);
   // Bytes a broadcast or all-gather moves per piece: piece_bytes_ (capacity if unset or
