@@ -481,3 +481,38 @@ def test_deepspeed_anchor_is_checked_and_leaves_nothing_behind(tmp_path):
     assert len(ds) == 3 and all(r["wrong"] == 0 for r in ds), ds
     assert "SUM" in doc["env"]["anchors"]["deepspeed_shm"]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer")]
+
+
+def _check_work_per_size(rank, p, collective):
+    from unittest import mock
+
+    from commlab.measure import bench, specs
+
+    counts = {"inputs": 0, "wants": 0}
+    real_input, real_reduced = specs.check_input, specs.reduced
+
+    def counting_input(*a, **k):
+        counts["inputs"] += 1
+        return real_input(*a, **k)
+
+    def counting_reduced(*a, **k):
+        counts["wants"] += 1
+        return real_reduced(*a, **k)
+
+    args = bench.parser().parse_args(["--collective", collective, "-b", "1K", "-e", "4K", "-f", "4", "--algorithms",
+                                      "builtin,ring,direct,rd", "--anchors", "none", "--quiet", "--budget", "0.001"])
+    with mock.patch.object(bench, "check_input", counting_input), mock.patch.object(specs, "check_input", counting_input), \
+            mock.patch.object(specs, "reduced", counting_reduced):
+        results = bench.run_bench(args)["results"] if rank == 0 else bench.run_bench(args)
+    return counts, results
+
+
+def test_the_check_computes_what_each_rank_holds_once_per_size(ranks):
+    """The #wrong check built each rank's input and what it must hold afterwards (for an
+    all-reduce: every rank's input again, reduced exactly) once per row: at 64 MiB and 11
+    rows that was most of the README's run (rank 0 spent 53 % of it there). Once per size
+    now, whatever the number of rows; every row still checked."""
+    counts, results = ranks.run(2, _check_work_per_size, "all_reduce")[0]
+    assert [r["wrong"] for r in results] == [0] * 8, results  # 4 rows x 2 sizes
+    assert counts["wants"] == 2, counts  # was 8: once per row
+    assert counts["inputs"] <= 2 * (1 + 2), counts  # one input per size, plus the reduction's p: was 8 * 3
