@@ -516,3 +516,22 @@ def test_the_check_computes_what_each_rank_holds_once_per_size(ranks):
     assert [r["wrong"] for r in results] == [0] * 8, results  # 4 rows x 2 sizes
     assert counts["wants"] == 2, counts  # was 8: once per row
     assert counts["inputs"] <= 2 * (1 + 2), counts  # one input per size, plus the reduction's p: was 8 * 3
+
+
+def _preloaded(rank, p):
+    import sys
+
+    return "torch._dynamo" in sys.modules
+
+
+def test_ranks_start_with_what_ddp_imports_already_imported():
+    """DistributedDataParallel's constructor imports torch._dynamo (and sympy with it):
+    0.85 s of CPU in every rank of every pool that builds one, and compare's modes, the
+    hooks' and the docs' examples start hundreds. The forkserver imports it once."""
+    from commlab.measure.launch import RankPool
+
+    pool = RankPool(2)
+    try:
+        assert pool.run(_preloaded) == [True, True]
+    finally:
+        pool.close()

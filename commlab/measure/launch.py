@@ -407,8 +407,10 @@ def _stacks_path(workdir: str, rank: int) -> str:
 # hundreds of ranks on two cores. A forked rank starts from the server's state, so it is
 # given what a spawned one inherited: the environment as it is now (set before commlab is
 # imported there: some settings are read at import) and this process's stdout and stderr
-# as they are now (pytest swaps them per test).
-_PRELOAD = ["torch", "torch.distributed"]
+# as they are now (pytest swaps them per test). DistributedDataParallel's constructor
+# imports torch._dynamo (sympy with it): 0.85 s of CPU per rank that builds one, imported
+# once here instead (its settings read the server's environment, as torch's own do).
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 _BOOT = """
 import os
 os.environ.clear()
