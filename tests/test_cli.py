@@ -535,3 +535,28 @@ def test_ranks_start_with_what_ddp_imports_already_imported():
         assert pool.run(_preloaded) == [True, True]
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("op", ["sum", "product", "min", "max", "avg"])
+def test_the_check_patterns_are_the_formulas_tiled(op):
+    """check_input and reduced build one period and tile it: element for element the
+    formulas they stand for, at sizes around and well past the period."""
+    import torch.distributed as dist
+
+    from commlab.core.reduction import Op, finish_average_, parse_op
+    from commlab.measure.specs import check_input, reduced
+
+    o = parse_op(getattr(dist.ReduceOp, op.upper()))
+    for dtype in (torch.float32, torch.bfloat16, torch.int32, torch.uint8, torch.float64):
+        if o is Op.AVG and not dtype.is_floating_point:
+            continue
+        for count in (0, 1, 9, 10, 11, 1001):
+            i = torch.arange(count, dtype=torch.int64)
+            xs = [((i + r) % 2 + 1) if o is Op.PRODUCT else ((i * 7 + r * 3) % 5) for r in range(3)]
+            for r in range(3):
+                assert torch.equal(check_input(r, count, dtype, o, "cpu"), xs[r].to(dtype))
+            s = torch.stack(xs)
+            want = {Op.PRODUCT: s.prod(0), Op.MIN: s.amin(0), Op.MAX: s.amax(0)}.get(o, s.sum(0)).to(dtype)
+            if o is Op.AVG:
+                finish_average_(want, 3)
+            assert torch.equal(reduced(3, count, dtype, o, "cpu"), want), (op, dtype, count)
