@@ -952,6 +952,14 @@ void ShmComm::broadcast(const torch::Tensor& t, int64_t root) {
         // own call before it copies (a late receiver held every other one back before).
         begin(c, call, index, n, 2);
       } else {
+        // Piece c's record slot last held c - 2, the last call's final piece when index is 1:
+        // a peer still checking it there (the root published piece 0 without waiting) has
+        // not reached c - 1.
+        if (index == 1) {
+          for (int j = 0; j < world_; ++j) {
+            if (j != rank_ && j != from) wait_for(j, (c - 1) * 4 + 1);
+          }
+        }
         begin(c, call, index, n);
         await_checked(from, c, 2, true);
         std::memcpy(data + done, segs_[from]->data(par, capacity_), n);
