@@ -44,7 +44,7 @@ def soak(rank, p, algorithm, calls):
     # (gloo by ~1.5 MB) and then stay flat: growth counts from the first quarter on,
     # sampled at the start of each of WINDOWS equal intervals and at the end.
     settled = calls // 4
-    every = (calls - settled) // WINDOWS
+    every = max(1, (calls - settled) // WINDOWS)  # a short soak (COMMLAB_SOAK_CALLS < 8) samples every call
     samples = []
     first_maps = None
     wrong = 0
