@@ -2,7 +2,7 @@
 // transports' waits poll this so an interrupt ends a wait within milliseconds.
 #pragma once
 
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>  // torch is not needed here: the GIL and Python's errors only
 
 #include <memory>
 

@@ -1,7 +1,7 @@
 // torch's ScalarType onto commlab's DType (host side only: includes torch).
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include "codes.h"
 

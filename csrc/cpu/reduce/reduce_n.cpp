@@ -98,7 +98,7 @@ void reduce_n_raw(void* out, const void* const* inputs, int64_t n_inputs, int64_
   kLevels[level()].fn(out, inputs, n_inputs, numel, static_cast<DType>(code), op);
 }
 
-void reduce_n_cpu(const torch::Tensor& out, const std::vector<torch::Tensor>& inputs, RedOp op) {
+void reduce_n_cpu(const at::Tensor& out, const std::vector<at::Tensor>& inputs, RedOp op) {
   TORCH_CHECK(!inputs.empty(), "commlab: reduce_n needs at least one input");
   TORCH_CHECK(out.is_contiguous(), "commlab: reduce_n output must be contiguous");
   std::vector<const void*> ptrs;

@@ -4,7 +4,7 @@
 // and are rounded once at the end.
 #pragma once
 
-#include <torch/extension.h>
+#include "../../common/torch_lite.h"
 
 #include <string>
 #include <vector>
@@ -13,7 +13,7 @@
 
 namespace commlab {
 
-void reduce_n_cpu(const torch::Tensor& out, const std::vector<torch::Tensor>& inputs, RedOp op);
+void reduce_n_cpu(const at::Tensor& out, const std::vector<at::Tensor>& inputs, RedOp op);
 
 // Raw-pointer variant for callers that reduce out of shared memory without
 // wrapping every slice in a tensor.

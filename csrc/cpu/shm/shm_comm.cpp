@@ -743,13 +743,13 @@ void ShmComm::piece(char* dst, const char* src, int64_t total, int64_t index, in
 
 namespace {
 // A tensor the fast paths take as it is: what the API's long way would pass unchanged.
-bool like_plan(const torch::Tensor& t, int64_t dtype) {
+bool like_plan(const at::Tensor& t, int64_t dtype) {
   return t.layout() == c10::kStrided && t.device().is_cpu() && static_cast<int64_t>(t.scalar_type()) == dtype &&
          t.is_contiguous() && !t.is_neg() && !t.is_conj();
 }
 }  // namespace
 
-bool ShmComm::try_allreduce(const torch::Tensor& t, int64_t op, int64_t mode, int64_t dtype) {
+bool ShmComm::try_allreduce(const at::Tensor& t, int64_t op, int64_t mode, int64_t dtype) {
   // The API's fast path: anything unlike the plan's call goes the long way, untouched.
   if (!like_plan(t, dtype)) return false;
   allreduce(t, op, mode);
@@ -783,7 +783,7 @@ void ShmComm::guarded(Body&& body) {
   }
 }
 
-void ShmComm::allreduce(const torch::Tensor& t, int64_t op, int64_t mode) {
+void ShmComm::allreduce(const at::Tensor& t, int64_t op, int64_t mode) {
   check_usable();  // before anything shared is touched (a forked child stops here)
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "commlab shm: needs a contiguous CPU tensor");
   TORCH_CHECK(op >= 0 && op <= 3, "commlab shm: op code must be 0..3");
@@ -807,14 +807,14 @@ void ShmComm::allreduce(const torch::Tensor& t, int64_t op, int64_t mode) {
 }
 
 namespace {
-void check_dense(const torch::Tensor& t, const char* what, const char* role) {
+void check_dense(const at::Tensor& t, const char* what, const char* role) {
   TORCH_CHECK(t.device().is_cpu() && t.layout() == c10::kStrided && t.is_contiguous() && !t.is_neg() && !t.is_conj(),
               "commlab shm: ", what, "'s ", role, " must be a contiguous CPU tensor");
 }
 
 // all_gather's and reduce_scatter's checks: `whole` holds world x `part` elements of
 // one dtype. Returns the part's bytes.
-int64_t check_pair(const torch::Tensor& whole, const char* whole_role, const torch::Tensor& part,
+int64_t check_pair(const at::Tensor& whole, const char* whole_role, const at::Tensor& part,
                    const char* part_role, const char* what, int world) {
   check_dense(whole, what, whole_role);
   check_dense(part, what, part_role);
@@ -836,7 +836,7 @@ int64_t ShmComm::piece_limit(int64_t elsize) const {
   return std::max<int64_t>(1, piece / elsize) * elsize;
 }
 
-void ShmComm::allgather(const torch::Tensor& out, const torch::Tensor& in) {
+void ShmComm::allgather(const at::Tensor& out, const at::Tensor& in) {
   check_usable();
   const int64_t nbytes = check_pair(out, "output", in, "input", "all_gather", world_);
   const int64_t elsize = in.element_size();
@@ -863,7 +863,7 @@ void ShmComm::allgather(const torch::Tensor& out, const torch::Tensor& in) {
   });
 }
 
-void ShmComm::reduce_scatter(const torch::Tensor& out, const torch::Tensor& in, int64_t op) {
+void ShmComm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, int64_t op) {
   check_usable();
   TORCH_CHECK(op >= 0 && op <= 3, "commlab shm: op code must be 0..3");
   const int64_t nbytes = check_pair(in, "input", out, "output", "reduce_scatter", world_);  // per rank
@@ -895,7 +895,7 @@ void ShmComm::reduce_scatter(const torch::Tensor& out, const torch::Tensor& in, 
   });
 }
 
-void ShmComm::broadcast(const torch::Tensor& t, int64_t root) {
+void ShmComm::broadcast(const at::Tensor& t, int64_t root) {
   check_usable();
   check_dense(t, "broadcast", "tensor");
   TORCH_CHECK(root >= 0 && root < world_, "commlab shm: broadcast root ", root, " is not a rank of this group");
@@ -973,7 +973,7 @@ void ShmComm::broadcast(const torch::Tensor& t, int64_t root) {
   });
 }
 
-void ShmComm::alltoall(const torch::Tensor& out, const torch::Tensor& in, const std::vector<int64_t>& send,
+void ShmComm::alltoall(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& send,
                        const std::vector<int64_t>& recv) {
   check_usable();
   check_dense(out, "all_to_all", "output");
@@ -1055,23 +1055,23 @@ void ShmComm::alltoall(const torch::Tensor& out, const torch::Tensor& in, const 
 
 namespace {
 // The other families' fast paths leave empty calls to the long way, which agrees them.
-bool plain(const torch::Tensor& t, int64_t dtype) { return t.numel() > 0 && like_plan(t, dtype); }
+bool plain(const at::Tensor& t, int64_t dtype) { return t.numel() > 0 && like_plan(t, dtype); }
 
-bool share_bytes(const torch::Tensor& a, const torch::Tensor& b) {
+bool share_bytes(const at::Tensor& a, const at::Tensor& b) {
   const char* a0 = static_cast<const char*>(a.data_ptr());
   const char* b0 = static_cast<const char*>(b.data_ptr());
   return a0 < b0 + b.numel() * b.element_size() && b0 < a0 + a.numel() * a.element_size();
 }
 }  // namespace
 
-bool ShmComm::try_allgather(const torch::Tensor& out, const torch::Tensor& in, int64_t dtype) {
+bool ShmComm::try_allgather(const at::Tensor& out, const at::Tensor& in, int64_t dtype) {
   // The input may be this rank's block of the output: allgather() reads it from the segment.
   if (!plain(out, dtype) || !plain(in, dtype) || out.numel() != in.numel() * world_) return false;
   allgather(out, in);
   return true;
 }
 
-bool ShmComm::try_reduce_scatter(const torch::Tensor& out, const torch::Tensor& in, int64_t op, int64_t dtype) {
+bool ShmComm::try_reduce_scatter(const at::Tensor& out, const at::Tensor& in, int64_t op, int64_t dtype) {
   if (!plain(out, dtype) || !plain(in, dtype) || in.numel() != out.numel() * world_ || share_bytes(out, in) ||
       op < 0 || op > 3)
     return false;
@@ -1079,13 +1079,13 @@ bool ShmComm::try_reduce_scatter(const torch::Tensor& out, const torch::Tensor& 
   return true;
 }
 
-bool ShmComm::try_broadcast(const torch::Tensor& t, int64_t root, int64_t dtype) {
+bool ShmComm::try_broadcast(const at::Tensor& t, int64_t root, int64_t dtype) {
   if (!plain(t, dtype) || root < 0 || root >= world_) return false;
   broadcast(t, root);
   return true;
 }
 
-bool ShmComm::try_alltoall(const torch::Tensor& out, const torch::Tensor& in, int64_t dtype) {
+bool ShmComm::try_alltoall(const at::Tensor& out, const at::Tensor& in, int64_t dtype) {
   // Even splits count rows of dim 0, as the API's long way does.
   if (!plain(out, dtype) || !plain(in, dtype) || in.dim() == 0 || out.dim() == 0 || in.size(0) % world_ != 0 ||
       out.size(0) % world_ != 0 || share_bytes(out, in))

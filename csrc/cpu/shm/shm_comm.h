@@ -22,7 +22,7 @@
 // that cannot end.
 #pragma once
 
-#include <torch/extension.h>
+#include "../../common/torch_lite.h"
 
 #include <algorithm>
 #include <atomic>
@@ -45,29 +45,29 @@ class ShmComm {
 
   void attach();      // map and validate every peer's segment
   void unlink_own();  // remove our name once every rank has mapped it
-  void allreduce(const torch::Tensor& t, int64_t op, int64_t mode);
+  void allreduce(const at::Tensor& t, int64_t op, int64_t mode);
   // allreduce() for a call like the plan's (CPU, strided, contiguous, this dtype); false, touching nothing,
   // for any other tensor.
-  bool try_allreduce(const torch::Tensor& t, int64_t op, int64_t mode, int64_t dtype);
+  bool try_allreduce(const at::Tensor& t, int64_t op, int64_t mode, int64_t dtype);
   // out (world * n elements) = every rank's in (n elements), in rank order.
-  void allgather(const torch::Tensor& out, const torch::Tensor& in);
+  void allgather(const at::Tensor& out, const at::Tensor& in);
   // out (n elements) = the reduction of every rank's slice `rank` of in (world * n elements).
-  void reduce_scatter(const torch::Tensor& out, const torch::Tensor& in, int64_t op);
-  void broadcast(const torch::Tensor& t, int64_t root);
+  void reduce_scatter(const at::Tensor& out, const at::Tensor& in, int64_t op);
+  void broadcast(const at::Tensor& t, int64_t root);
   // out (sum(recv) elements: recv[j] from rank j, in rank order) = every rank's block for
   // this rank (send[q] of in's elements go to rank q, in rank order); every rank checks the
   // whole matrix of counts before any byte lands.
-  void alltoall(const torch::Tensor& out, const torch::Tensor& in, const std::vector<int64_t>& send,
+  void alltoall(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& send,
                 const std::vector<int64_t>& recv);
   // The other families' fast paths, like try_allreduce: the call if every tensor is like
   // the plan's (contiguous CPU tensors of scalar type `dtype`, not empty, sizes that fit,
   // no input and output sharing bytes where the API would make a private result); false,
   // touching nothing, for any other call, which then takes the API's long way.
-  bool try_allgather(const torch::Tensor& out, const torch::Tensor& in, int64_t dtype);
-  bool try_reduce_scatter(const torch::Tensor& out, const torch::Tensor& in, int64_t op, int64_t dtype);
-  bool try_broadcast(const torch::Tensor& t, int64_t root, int64_t dtype);
+  bool try_allgather(const at::Tensor& out, const at::Tensor& in, int64_t dtype);
+  bool try_reduce_scatter(const at::Tensor& out, const at::Tensor& in, int64_t op, int64_t dtype);
+  bool try_broadcast(const at::Tensor& t, int64_t root, int64_t dtype);
   // Even splits along dim 0 (all_to_all_single without split sizes).
-  bool try_alltoall(const torch::Tensor& out, const torch::Tensor& in, int64_t dtype);
+  bool try_alltoall(const at::Tensor& out, const at::Tensor& in, int64_t dtype);
   void barrier();
   // Whether this rank can read every peer's memory in one copy (process_vm_readv: same
   // user, ptrace allowed, one PID namespace); collective use needs every rank's yes.

@@ -130,7 +130,7 @@ void IpcComm::check_usable() const {
   if (!broken_.empty()) throw std::runtime_error("commlab ipc: unusable after an earlier failure: " + broken_);
 }
 
-void IpcComm::allreduce(const torch::Tensor& t, int64_t op, int64_t mode) {
+void IpcComm::allreduce(const at::Tensor& t, int64_t op, int64_t mode) {
   check_usable();
   TORCH_CHECK(t.is_cuda() && t.get_device() == device_, "commlab ipc: tensor must be on cuda:", device_,
               ", got ", t.device());

@@ -22,7 +22,7 @@
 #pragma once
 
 #include <cuda_runtime_api.h>
-#include <torch/extension.h>
+#include "../../common/torch_lite.h"
 
 #include <cstdint>
 #include <string>
@@ -47,7 +47,7 @@ class IpcComm {
   void connect_local(const std::vector<int64_t>& block_addresses);
   int64_t block_address() const { return reinterpret_cast<int64_t>(block_); }
 
-  void allreduce(const torch::Tensor& t, int64_t op, int64_t mode);
+  void allreduce(const at::Tensor& t, int64_t op, int64_t mode);
   void close();
 
   int64_t capacity() const { return capacity_; }

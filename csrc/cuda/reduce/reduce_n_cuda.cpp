@@ -4,7 +4,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/extension.h>
+#include "../../common/torch_lite.h"
 
 #include <vector>
 
@@ -14,7 +14,7 @@
 
 namespace commlab {
 
-void reduce_n_cuda(const torch::Tensor& out, const std::vector<torch::Tensor>& inputs, RedOp op) {
+void reduce_n_cuda(const at::Tensor& out, const std::vector<at::Tensor>& inputs, RedOp op) {
   TORCH_CHECK(!inputs.empty() && inputs.size() <= kMaxReduceInputs, "commlab: reduce_n on CUDA takes 1..",
               kMaxReduceInputs, " inputs, got ", inputs.size());
   TORCH_CHECK(out.is_cuda() && out.is_contiguous(), "commlab: reduce_n output must be contiguous CUDA");
