@@ -35,6 +35,9 @@ def test_compare_cpu_modes(tmp_path, extra):
         for name in ("ddp", "ddp:ring", "ddp:shm"):
             assert pred[name]["iter_ms"]["median"] > pred["ddp:noop"]["iter_ms"]["median"]
             assert pred[name]["grad_sync_ms"]["total"] > 0
+            # The arrival skew is charged to the exposed sync, not to its part after the last arrival.
+            sync = pred[name]["grad_sync_ms"]
+            assert sync["exposed"] - sync["after_arrival"] == pytest.approx(modes["ddp:noop"]["arrival_skew_ms"])
         assert "ddp:shm (pred)" in proc.stdout
     assert modes["dp"]["status"] == "unavailable" and "CUDA" in modes["dp"]["reason"]
     assert modes["ddp:nope"]["status"] == "unavailable"
@@ -44,7 +47,8 @@ def test_compare_cpu_modes(tmp_path, extra):
         assert MODE_KEYS <= set(m)
         assert m["iter_ms"]["median"] <= m["iter_ms"]["p90"]
         assert len(m["peak_memory_mb"]) == 2 and len(m["util_percent"]) == 2
-        assert set(m["grad_sync_ms"]) == {"total", "exposed"}
+        assert set(m["grad_sync_ms"]) == {"total", "exposed", "after_arrival"}
+        assert 0 <= m["grad_sync_ms"]["after_arrival"] <= m["grad_sync_ms"]["exposed"]
     # Same model, seed and data: every communicating mode trains identically.
     losses = [modes[n]["final_loss"] for n in ("ddp", "ddp:ring", "ddp:shm", "ddp@commlab")]
     assert max(losses) - min(losses) < 1e-5, losses
@@ -196,6 +200,41 @@ def test_sharded_modes_train_alike_and_hold_what_the_formulas_say():
         assert r["comm_mb"] == pytest.approx(got["comm_mb"], rel=0.01), r["mode"]
 
 
+def _two_ranks_one_late():
+    """Rank 0 ends backward at 1.0 s, rank 1 at 1.3 s, both see the last bucket done at
+    1.5 s; then a blocking call rank 0 starts at 2.0 s and rank 1 at 2.1 s, both ending
+    at 2.4 s."""
+    from commlab.measure import trace
+
+    def rec(end, call_start):
+        bucket = {"index": 0, "bytes": 8, "comm_ms": 0.0, "start": end, "end": 1.5}
+        return trace.record([("backward", 0.5, 1.5)], [{"backward_end": end, "last_done": 1.5, "buckets": [bucket],
+                                                        "calls": [{"kind": "broadcast", "start": call_start,
+                                                                   "end": 2.4, "bytes": 8}]}], "builtin")
+    return [rec(1.0, 2.0), rec(1.3, 2.1)]
+
+
+def test_the_exposed_sync_splits_at_the_last_ranks_arrival():
+    """compare's exposed sync is the largest rank's (rank 0: 0.5 s at the buckets, 0.4 s in
+    the call); of it, the part after the last rank arrived is the communication's
+    (0.2 + 0.3 s): what the early rank spent waiting for the late one is not."""
+    from commlab.measure import trace
+
+    records = _two_ranks_one_late()
+    got = trace.exposed_split(records)
+    assert got["exposed"] == pytest.approx(900.0) and got["after_arrival"] == pytest.approx(500.0)
+    # The trace draws rank 0's wait as its own part of the exposed track and reads the same back.
+    doc = trace.chrome_trace(records, "ddp")
+    waits = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "exposed" and "waiting_for" in e["args"]]
+    assert sorted((e["pid"], e["args"]["waiting_for"], round(e["dur"])) for e in waits) == [(0, 1, 100000),
+                                                                                            (0, 1, 300000)]
+    assert trace.sync_ms(doc)["exposed"] == pytest.approx(900.0)
+    assert trace.sync_ms(doc)["after_arrival"] == pytest.approx(500.0)
+    # Ranks whose iterations do not line up give no split rather than a wrong one.
+    records[1]["iterations"].append(records[1]["iterations"][0])
+    assert trace.exposed_split(records)["after_arrival"] is None
+
+
 def test_trace_is_a_chrome_trace_that_agrees_with_the_table(tmp_path):
     """--trace: a Chrome trace-event JSON per mode (a process per rank; compute,
     communication and exposed-sync tracks), from the very timestamps the table sums: the
@@ -245,6 +284,8 @@ def test_trace_is_a_chrome_trace_that_agrees_with_the_table(tmp_path):
         back = rows[mode]["trace"]["sync_ms"]
         assert back["total"] == pytest.approx(table["total"], abs=0.01)
         assert back["exposed"] == pytest.approx(table["exposed"], abs=0.01)
+        assert back["after_arrival"] == pytest.approx(table["after_arrival"], abs=0.01)
+        assert 0 < table["after_arrival"] <= table["exposed"]
         if importlib.util.find_spec("matplotlib"):
             assert (traces / f"{mode}.png").stat().st_size > 0
 
@@ -277,3 +318,5 @@ def test_trace_of_the_sharded_modes_agrees_with_the_table(tmp_path):
         table, back = rows[mode]["grad_sync_ms"], rows[mode]["trace"]["sync_ms"]
         assert back["total"] == pytest.approx(table["total"], abs=0.01), mode
         assert back["exposed"] == pytest.approx(table["exposed"], abs=0.01), mode
+        assert back["after_arrival"] == pytest.approx(table["after_arrival"], abs=0.01), mode
+        assert 0 < table["after_arrival"] <= table["exposed"], mode

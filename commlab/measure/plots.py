@@ -65,7 +65,7 @@ def plot_trace(trace: dict, path: str) -> None:
     colours = {"forward": "#4c72b0", "backward": "#55a868", "optimizer": "#8172b3",
                "waiting for the buckets": "#bbbbbb", "bucket": "#dd8452", "all-gather": "#da8bc3",
                "reduce-scatter": "#937860", "broadcast": "#ccb974", "exposed sync": "#c44e52",
-               "waiting for the last rank": "#8c8c8c"}
+               "exposed: waiting for the last rank": "#eba0a2", "waiting for the last rank": "#8c8c8c"}
     lane_of = {"compute": "compute", "wait": "compute", "communication": "communication", "exposed": "exposed sync",
                "peer-wait": "peer wait"}
     lanes: dict[tuple[int, str], list] = {}
@@ -74,6 +74,8 @@ def plot_trace(trace: dict, path: str) -> None:
         if e.get("ph") == "X":
             name = {"communication": e["args"].get("kind"),
                     "peer-wait": "waiting for the last rank"}.get(e["cat"], e["name"])
+            if e["cat"] == "exposed" and "waiting_for" in e["args"]:
+                name = "exposed: waiting for the last rank"
             shown.add(name)
             lanes.setdefault((e["pid"], lane_of[e["cat"]]), []).append((e["ts"] / 1e3, e["dur"] / 1e3, colours[name]))
     tracks = ["compute", "communication", "peer wait", "exposed sync"]

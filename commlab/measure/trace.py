@@ -25,6 +25,60 @@ def record(compute: list[tuple[str, float, float]], iterations: list[dict], algo
     return {"compute": [list(c) for c in compute], "iterations": iterations, "algorithm": algorithm}
 
 
+def _exposed_spans(it: dict):
+    """An iteration's exposed synchronisation as (arrival key, start, end, what): DDP's from
+    the last bucket's hand-over to the last completion, each blocking call whole."""
+    if it.get("buckets"):
+        yield ("backward_end",), it["backward_end"], max(it["last_done"], it["backward_end"]), \
+            {"from": "the last bucket's hand-over (end of backward)", "to": "the last bucket's completion"}
+    for j, c in enumerate(it.get("calls", [])):
+        yield ("call", j), c["start"], c["end"], \
+            {"from": f"the {c['kind']}'s start", "to": "its end (the step waited for all of it)"}
+
+
+def last_arrivals(records: list[dict]) -> dict[tuple, tuple[float, int]]:
+    """(iteration, key) -> (time, rank) of the last rank to arrive: the latest start over
+    the ranks (which share the clock) of each bucket, each blocking call and each
+    iteration's end of backward. Until then no rank's synchronisation can complete."""
+    last: dict[tuple, tuple[float, int]] = {}
+
+    def see(k: int, key: tuple, t: float, rank: int) -> None:
+        if t > last.get((k, key), (float("-inf"), -1))[0]:
+            last[(k, key)] = (t, rank)
+
+    for rank, rec in enumerate(records):
+        for k, it in enumerate(rec["iterations"]):
+            for b in it.get("buckets", []):
+                see(k, ("bucket", b["index"]), b["start"], rank)
+            for j, c in enumerate(it.get("calls", [])):
+                see(k, ("call", j), c["start"], rank)
+            if it.get("backward_end") is not None:
+                see(k, ("backward_end",), it["backward_end"], rank)
+    return last
+
+
+def exposed_split(records: list[dict]) -> dict:
+    """compare's exposed synchronisation from every rank's record: per rank the mean over
+    iterations of its exposed spans, and of their part after the last rank arrived (the
+    rest is waiting for a slower rank, not communicating); each the largest rank's, as
+    compare reports. None where the ranks' iterations do not line up."""
+    counts = {len(r["iterations"]) for r in records}
+    if not records or len(counts) != 1 or not counts.pop():
+        return {"exposed": None, "after_arrival": None}
+    last = last_arrivals(records)
+    exposed, after = [], []
+    for rec in records:
+        e = a = 0.0
+        for k, it in enumerate(rec["iterations"]):
+            for key, x, y, _ in _exposed_spans(it):
+                e += y - x
+                a += y - min(max(last.get((k, key), (x,))[0], x), y)
+        n = len(rec["iterations"])
+        exposed.append(e / n * 1e3)
+        after.append(a / n * 1e3)
+    return {"exposed": max(exposed), "after_arrival": max(after)}
+
+
 def chrome_trace(records: list[dict], mode: str) -> dict:
     """One trace: a process per rank, a thread per track (compute, communication, the
     exposed part of each iteration's synchronisation, and the part of each collective
@@ -40,15 +94,7 @@ def chrome_trace(records: list[dict], mode: str) -> dict:
         events.append({"name": name, "cat": cat, "ph": "X", "ts": us(a), "dur": round(max(0.0, us(b) - us(a)), 3),
                        "pid": rank, "tid": TRACKS[track], "args": args})
 
-    # Each collective's last arrival: the latest start (hand-over, for a bucket) over the
-    # ranks, which share the clock. Until then no rank's call can complete.
-    last: dict[tuple, tuple[float, int]] = {}
-    for rank, rec in enumerate(records):
-        for k, it in enumerate(rec["iterations"]):
-            for key, c in [(("bucket", b["index"]), b) for b in it.get("buckets", [])] + \
-                          [(("call", j), c) for j, c in enumerate(it.get("calls", []))]:
-                if c["start"] > last.get((k, key), (float("-inf"), -1))[0]:
-                    last[(k, key)] = (c["start"], rank)
+    last = last_arrivals(records)
 
     def peer_wait(k: int, key: tuple, c: dict, rank: int, what: str) -> None:
         at, who = last.get((k, key), (c["start"], rank))
@@ -56,6 +102,16 @@ def chrome_trace(records: list[dict], mode: str) -> dict:
             span(f"waiting for rank {who}", "peer-wait", c["start"], min(at, c["end"]), rank, "peer wait",
                  {"what": what, "last_rank": who, "iteration": k,
                   "from": "this rank's start", "to": "the last rank's start (or this call's end)"})
+
+    def exposed(k: int, key: tuple, a: float, b: float, rank: int, what: dict) -> None:
+        # Drawn in two parts: before the last rank arrived (this rank waited for it) and after.
+        at, who = last.get((k, key), (a, rank))
+        cut = min(max(at, a), b)
+        if cut > a:
+            span(f"exposed: waiting for rank {who}", "exposed", a, cut, rank, "exposed sync",
+                 {**what, "iteration": k, "waiting_for": who, "to": "the last rank's arrival"})
+        if b > cut or cut == a:
+            span("exposed sync", "exposed", cut, b, rank, "exposed sync", {**what, "iteration": k})
 
     for rank, rec in enumerate(records):
         events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
@@ -72,17 +128,12 @@ def chrome_trace(records: list[dict], mode: str) -> dict:
                 span(f"bucket {bk['index']}", "communication", bk["start"], bk["end"], rank, "communication",
                      {"kind": "bucket", "bytes": bk["bytes"], "algorithm": rec["algorithm"], "iteration": k})
                 peer_wait(k, ("bucket", bk["index"]), bk, rank, f"bucket {bk['index']}")
-            if it.get("buckets"):
-                span("exposed sync", "exposed", it["backward_end"], max(it["last_done"], it["backward_end"]), rank,
-                     "exposed sync", {"from": "the last bucket's hand-over (end of backward)",
-                                      "to": "the last bucket's completion", "iteration": k})
+            for key, a, b, what in _exposed_spans(it):
+                exposed(k, key, a, b, rank, what)
             for j, c in enumerate(it.get("calls", [])):
                 span(c["kind"], "communication", c["start"], c["end"], rank, "communication",
                      {"kind": c["kind"], "bytes": c["bytes"], "algorithm": rec["algorithm"], "iteration": k})
                 peer_wait(k, ("call", j), c, rank, c["kind"])
-                span("exposed sync", "exposed", c["start"], c["end"], rank, "exposed sync",
-                     {"from": f"the {c['kind']}'s start", "to": "its end (the step waited for all of it)",
-                      "iteration": k})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"mode": mode, "clock": "time.perf_counter (CLOCK_MONOTONIC), one host: no offsets",
                           "source": "commlab.compare --trace"}}
@@ -113,20 +164,23 @@ def bench_trace(ranks: list[list[dict]], meta: dict) -> dict:
 
 def sync_ms(trace: dict) -> dict:
     """The table's sync figures back from a trace: per rank the mean over iterations of
-    the summed communication spans (total) and of the exposed spans; the largest rank's,
-    as compare reports them."""
+    the summed communication spans (total), of the exposed spans and of their parts after
+    the last rank arrived; the largest rank's, as compare reports them."""
     per: dict[int, dict] = {}
     for e in trace["traceEvents"]:
         if e.get("ph") != "X" or e["cat"] not in ("communication", "exposed"):
             continue
-        d = per.setdefault(e["pid"], {"communication": {}, "exposed": {}})[e["cat"]]
+        mine = per.setdefault(e["pid"], {"communication": {}, "exposed": {}, "after_arrival": {}})
         k = e["args"]["iteration"]
-        d[k] = d.get(k, 0.0) + e["dur"] / 1e3
-    out = {"total": 0.0, "exposed": 0.0}
+        parts = [e["cat"]] + (["after_arrival"] if e["cat"] == "exposed" and "waiting_for" not in e["args"] else [])
+        for part in parts:
+            mine[part][k] = mine[part].get(k, 0.0) + e["dur"] / 1e3
+    out = {"total": 0.0, "exposed": 0.0, "after_arrival": 0.0}
     for d in per.values():
         n = len(set(d["communication"]) | set(d["exposed"])) or 1
         out["total"] = max(out["total"], sum(d["communication"].values()) / n)
         out["exposed"] = max(out["exposed"], sum(d["exposed"].values()) / n)
+        out["after_arrival"] = max(out["after_arrival"], sum(d["after_arrival"].values()) / n)
     return out
 
 

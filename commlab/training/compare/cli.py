@@ -34,7 +34,7 @@ import sys
 import torch
 
 from commlab import algorithms
-from commlab.measure import envinfo, launch
+from commlab.measure import envinfo, launch, trace
 from commlab.measure.launch import check_gpus_per_rank
 from commlab.training import fsdp, workloads
 from commlab.training.compare import report, search, sharded, workers
@@ -82,13 +82,17 @@ def run_ddp_mode(mode: str, world: int, args: dict, rank_fn=workers.ddp_rank) ->
         return _failed(mode, outcomes, args["mode_timeout"])
     res = [outcomes[r].result for r in range(world)]
     iters = report.iteration_summary(res[0]["times"])
+    exposed = max(r["sync_exposed"] for r in res)
+    # The part of it after the last rank arrived: communication, not waiting for a slower rank.
+    after = trace.exposed_split([r["trace"] for r in res])["after_arrival"] if res[0].get("trace") else None
     return {
         "mode": mode, "status": "ok", "reason": "",
         "iter_ms": iters,
         "samples_per_s": args["batch_size"] / (iters["median"] / 1e3),
         "peak_memory_mb": [r["memory_mb"] for r in res],
         "util_percent": [r["util"] for r in res],
-        "grad_sync_ms": {"total": max(r["sync_total"] for r in res), "exposed": max(r["sync_exposed"] for r in res)},
+        "grad_sync_ms": {"total": max(r["sync_total"] for r in res), "exposed": exposed,
+                         "after_arrival": after if after is not None else (0.0 if exposed == 0 else None)},
         "final_loss": res[0]["loss"],
         **({"arrival_skew_ms": res[0]["arrival_skew_ms"]} if res[0].get("arrival_skew_ms") is not None else {}),
         **({"optimizer_ms": max(r["optimizer_ms"] for r in res)} if res[0].get("optimizer_ms") is not None else {}),
@@ -97,7 +101,7 @@ def run_ddp_mode(mode: str, world: int, args: dict, rank_fn=workers.ddp_rank) ->
            if res[0].get("tensor_mb") is not None else {}),
         "comm_mb": max(r.get("comm_bytes", 0) for r in res) / 2**20,
         **({"params": res[0]["params"]} if res[0].get("params") is not None else {}),
-        **({"trace_records": [r["trace"] for r in res]} if res[0].get("trace") is not None else {}),
+        **({"trace_records": [r["trace"] for r in res]} if args.get("trace") and res[0].get("trace") else {}),
     }
 
 
@@ -196,8 +200,6 @@ def host_bench(world: int, collective: str, names: list[str]) -> dict:
 def write_trace(records: list[dict], label: str, directory: str) -> dict:
     """One mode's trace as DIR/<label>.json and, with matplotlib, DIR/<label>.png; the
     row keeps the paths and the sync figures read back from the trace."""
-    from commlab.measure import trace
-
     os.makedirs(directory, exist_ok=True)
     name = re.sub(r"[^\w.:-]+", "_", label)
     doc = trace.chrome_trace(records, label)

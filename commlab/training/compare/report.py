@@ -19,7 +19,12 @@ DEFINITIONS = """\
                completion (the part that is not hidden behind backward). DP: one extra
                iteration under torch.profiler, the busiest GPU's time in NCCL kernels
                and peer copies (replicate, gradient reduce-add, scatter, gather); all
-               of it exposed, as DP communicates on the compute stream
+               of it exposed, as DP communicates on the compute stream. Of the exposed
+               time, the part after the last rank arrived (its end of backward, or
+               its start of each blocking collective; one clock per host): the
+               communication itself, the rest being a wait for a slower rank. Every
+               figure is the largest rank's; predicted: the exposed time charges the
+               ranks' measured arrival skew, the part after the arrival does not
   tensor bytes the peak, over one extra step sampled at every leaf module's forward,
                every gradient's accumulation and after the optimizer step, of the
                bytes of unique storages a rank holds as parameters (sharded, or
@@ -79,6 +84,8 @@ def table(doc: dict) -> str:
     row(UTILIZATION_ROW[doc["env"].get("device", "cpu")], lambda m: fmt_list(m["util_percent"]))
     row("grad sync total (ms)", lambda m: "-" if m["grad_sync_ms"]["total"] is None else f"{m['grad_sync_ms']['total']:.1f}")
     row("grad sync exposed (ms)", lambda m: "-" if m["grad_sync_ms"]["exposed"] is None else f"{m['grad_sync_ms']['exposed']:.1f}")
+    row("  of it after the last rank arrived (ms)", lambda m: "-" if m["grad_sync_ms"].get("after_arrival") is None
+        else f"{m['grad_sync_ms']['after_arrival']:.1f}")
     if any(m.get("tensor_mb") is not None for m in ok):
         row("tensor bytes peak (MB): params+grads+optimizer+buckets",
             lambda m: "-" if m.get("tensor_mb") is None else f"{m['tensor_mb']:.1f}")

@@ -241,7 +241,7 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         st = comm.summary()
         total, exposed, per_step = st["mean_total_comm_ms"], st["mean_exposed_ms"], st["mean_bytes"]
         iterations = comm.iterations()
-    traced = trace.record(spans, iterations, fsdp_algorithm(mode)) if args.get("trace") else None
+    traced = trace.record(spans, iterations, fsdp_algorithm(mode))  # as ddp_rank's: the exposed sync's split
     tensors = measure_step(model, opt, ddp_bucket_bytes(net) if mode == "zero1" else 0,
                            lambda: step(args["warmup"] + args["iters"]))
     slowest = torch.tensor(times, dtype=torch.float64)

@@ -210,7 +210,7 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
     for x in t:
         done.append(done[-1] + x)
     algorithm = "builtin" if mode == "ddp" else mode.split(":", 1)[1] if mode.startswith("ddp:") else None
-    total = exposed = 0.0
+    total = exposed = waiting = 0.0
     bks = buckets(st.params, s.bucket_cap_mb, ready_order(st)) if algorithm not in (None, "noop") else []
     if bks:
         end = 0.0
@@ -226,8 +226,9 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
         # A rank that reaches the first bucket early waits there for the last: compare
         # reports the busiest rank's sync, so that wait is in it; the iteration (the
         # slowest rank's) already holds it in the measured compute.
-        total += prof.arrival_skew_ms * 1e3
-        exposed += prof.arrival_skew_ms * 1e3
+        waiting = prof.arrival_skew_ms * 1e3
+        total += waiting
+        exposed += waiting
     info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / 1e3,
             "buckets": len(bks),
             "per_device_batch": b}
@@ -237,12 +238,12 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
             "optimizer_state": state_bytes(st), "buckets": st.param_bytes}
     comm = st.param_bytes if bks else 0
     if prof.device == "cpu":  # compare reports peak RSS (interpreter and torch too) and CPU time: not modelled
-        return _row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm)
+        return _row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm, waiting)
     # Weights, the step's peak of everything else (activations, gradients, temporaries), the
     # input batch, DDP's bucket copies of the gradients and the optimizer's state.
     mem = st.param_bytes + st.buffers_bytes + st.peak_bytes + st.input_bytes + (st.param_bytes if bks else 0) \
         + state_bytes(st)
-    return _row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm)
+    return _row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm, waiting)
 
 
 def predict_dp(s: Setup, prof: Profile, steps: Steps) -> dict:
@@ -280,12 +281,16 @@ def state_bytes(st: Step) -> float:
     return STATE_PER_PARAM_BYTE[st.optimizer] * st.param_bytes
 
 
-def _row(mode, s, it_us, mem, util, total_us, exposed_us, breakdown, held=None, comm_bytes=None) -> dict:
+def _row(mode, s, it_us, mem, util, total_us, exposed_us, breakdown, held=None, comm_bytes=None,
+         waiting_us: float = 0.0) -> dict:
+    """waiting_us: the part of exposed_us charged for the ranks' arrival skew (compare's
+    exposed sync after the last rank's arrival is the rest)."""
     row = {"mode": mode, "status": "ok", "reason": "", "predicted": True,
            "iter_ms": {"median": it_us / 1e3, "p90": it_us / 1e3},
            "samples_per_s": s.batch_size / (it_us / 1e6),
            "peak_memory_mb": [None if m is None else m / 2**20 for m in mem], "util_percent": util,
-           "grad_sync_ms": {"total": total_us / 1e3, "exposed": exposed_us / 1e3},
+           "grad_sync_ms": {"total": total_us / 1e3, "exposed": exposed_us / 1e3,
+                            "after_arrival": (exposed_us - waiting_us) / 1e3},
            "final_loss": None, "breakdown": breakdown}
     if held is not None:  # compare's tensor-bytes row: what each rank holds at its peak, by category
         row["tensor_mb"] = sum(held.values()) / 2**20

@@ -221,6 +221,7 @@ def predict(mode: str, s, prof, steps) -> dict:
         bcast = sum(M.collective_us(prof, "broadcast", BROADCAST[prof.device], p, n) for n in st.params)
         it = ddp_it - opt + opt / p + bcast
         total, exposed = ddp_total + bcast, ddp_exposed + bcast
+        waiting = ddp["grad_sync_ms"]["exposed"] * 1e3 - ddp["grad_sync_ms"]["after_arrival"] * 1e3
         held = {"parameters": st.param_bytes, "gathered": 0.0, "gradients": st.param_bytes,
                 "optimizer_state": state / p, "buckets": st.param_bytes}
         comm = 2 * st.param_bytes
@@ -231,13 +232,14 @@ def predict(mode: str, s, prof, steps) -> dict:
         total = facts.pop("comm_us")
         exposed = min(total, it - compute - facts["optimizer_ms"] * 1e3)  # the copies are not the collectives'
         # As predict_ddp: a rank that reaches a collective first waits there for the last.
-        total, exposed = total + prof.arrival_skew_ms * 1e3, exposed + prof.arrival_skew_ms * 1e3
+        waiting = prof.arrival_skew_ms * 1e3
+        total, exposed = total + waiting, exposed + waiting
         info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, **facts, "per_device_batch": b}
     busy = 100.0  # as predict_ddp's: NVML counts a collective's kernels as busy, and nothing else waits
     if prof.device == "cpu":
-        return M._row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm)
+        return M._row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm, waiting)
     # On a GPU: what the step itself allocates beyond parameters and gradients
     # (activations, temporaries) and the input, beside the tensors held.
     mem = sum(held.values()) + st.activation_bytes + st.input_bytes + st.buffers_bytes
-    return M._row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm)
+    return M._row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm, waiting)
 
