@@ -2,6 +2,11 @@ import pytest
 import torch
 from ranks import RankPool
 
+from commlab.measure import launch
+
+# Many tests' ranks build DDP, whose constructor imports torch._dynamo: once, in the ranks' server.
+launch.preload("torch._dynamo")
+
 # Small segments and buffers so moderate test sizes exercise the ring's pipelining,
 # shared memory's pieces (tensors larger than a buffer) and both shm modes.
 RANK_ENV = {

@@ -527,7 +527,8 @@ def _preloaded(rank, p):
 def test_ranks_start_with_what_ddp_imports_already_imported():
     """DistributedDataParallel's constructor imports torch._dynamo (and sympy with it):
     0.85 s of CPU in every rank of every pool that builds one, and compare's modes, the
-    hooks' and the docs' examples start hundreds. The forkserver imports it once."""
+    hooks' and the docs' examples start hundreds. The forkserver imports it once (this
+    suite's conftest asks for it, as compare does)."""
     from commlab.measure.launch import RankPool
 
     pool = RankPool(2)
@@ -535,6 +536,30 @@ def test_ranks_start_with_what_ddp_imports_already_imported():
         assert pool.run(_preloaded) == [True, True]
     finally:
         pool.close()
+
+
+def _server_preload(entry: str) -> list:
+    """The modules an entry point's ranks' server imports: its first pool's preload."""
+    code = ("import runpy, sys\n"
+            "from commlab.measure import launch\n"
+            "def stop(*a, **k):\n"
+            "    print(sorted(launch._PRELOAD)); sys.exit(0)\n"
+            "launch.RankPool.__init__ = stop\n"
+            f"sys.argv = {entry.split()!r}\n"
+            f"runpy.run_module(sys.argv[0], run_name='__main__')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_only_the_entry_points_that_build_ddp_preload_dynamo():
+    """The ranks' server imported torch._dynamo for every entry point: 0.9 s before the
+    first rank of every bench (3.8 s in all for two ranks and one size), which never
+    builds DDP. compare's ranks do, and get it."""
+    bench = _server_preload("commlab.allreduce_bench --world-size 2 -b 4K -e 4K --algorithms shm --anchors none")
+    assert "torch._dynamo" not in bench and "torch" in bench
+    compare = _server_preload("commlab.compare --device cpu --world-size 2 --modes ddp --iters 1 --warmup 1")
+    assert "torch._dynamo" in compare
 
 
 @pytest.mark.parametrize("op", ["sum", "product", "min", "max", "avg"])

@@ -407,10 +407,18 @@ def _stacks_path(workdir: str, rank: int) -> str:
 # hundreds of ranks on two cores. A forked rank starts from the server's state, so it is
 # given what a spawned one inherited: the environment as it is now (set before commlab is
 # imported there: some settings are read at import) and this process's stdout and stderr
-# as they are now (pytest swaps them per test). DistributedDataParallel's constructor
-# imports torch._dynamo (sympy with it): 0.85 s of CPU per rank that builds one, imported
-# once here instead (its settings read the server's environment, as torch's own do).
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+# as they are now (pytest swaps them per test). What else the server imports is the
+# caller's choice (preload()): DistributedDataParallel's constructor imports
+# torch._dynamo, 0.85 s of CPU per rank that builds one, which compare's ranks get
+# imported once; the bench's ranks never need it, and the server's import of it sat
+# before every bench's first rank (0.9 s of a 3.8 s two-rank run).
+_PRELOAD = ["torch", "torch.distributed"]
+
+
+def preload(*modules: str) -> None:
+    """Modules the ranks' server imports once, for every rank forked after: effective only
+    before this process's first rank starts (the server starts then, and stays)."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 _BOOT = """
 import os
 os.environ.clear()

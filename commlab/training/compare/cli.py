@@ -261,6 +261,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json"), ap.add_argument("--plot")
     a = ap.parse_args(argv)
     args = vars(a)
+    launch.preload("torch._dynamo")  # every DDP constructor imports it: once in the ranks' server, not in each rank
     try:
         caps = [float(c) for c in str(a.bucket_cap_mb).split(",") if c.strip()]
     except ValueError:
