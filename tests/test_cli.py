@@ -425,6 +425,33 @@ def test_memory_floor_is_a_lower_bound(tmp_path):
     assert "all ranks streaming" in proc.stdout
 
 
+def test_the_floors_can_be_left_out_and_this_hosts_fit_leaves_them_out(tmp_path, monkeypatch):
+    """compare's this-host fit reads the rows alone; the floors it had the bench measure
+    were 2.2 s of an 8 s run, once per collective fitted."""
+    out = tmp_path / "r.json"
+    proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "2", "-b", "4K", "-e", "1M", "-f", "256",
+                 "--algorithms", "shm", "--anchors", "none", "--budget", "0.02", "--rounds", "1", "--no-floors",
+                 "--json", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = json.loads(out.read_text())["env"]
+    assert not {"group_bandwidth_gbps", "handoffs", "hot_copy_us"} & set(env), env
+    assert "efficiency" not in proc.stdout and ": floor" not in proc.stdout
+    import subprocess as sp
+
+    from commlab.training.compare import cli
+
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump({"env": {}, "results": []}, f)
+
+    monkeypatch.setattr(sp, "run", fake_run)
+    cli.host_bench(4, "all_reduce", ["builtin"])
+    assert "--no-floors" in seen[0]
+
+
 def test_memory_floor_takes_the_larger_bound():
     from commlab.algorithms import Traffic
 

@@ -64,14 +64,15 @@ def run_bench(args) -> dict | None:
                          f"{env['ranks_per_host']}); hosts' clocks are not aligned yet")
     env["cores"] = len(os.sched_getaffinity(0))
     env["gamma_us_per_byte"] = costmodel.measure_gamma_us_per_byte(dtype, device)
-    if device.type == "cpu" and spec.floors and any(algorithms.get(r.name).memory_traffic(p, 1 << 20) is not None
+    floors = spec.floors and getattr(args, "floors", True)
+    if device.type == "cpu" and floors and any(algorithms.get(r.name).memory_traffic(p, 1 << 20) is not None
                                                     for r in rows if r.name in algorithms.names()):
         # Memory-bound transports get a floor: the bandwidth every rank gets with all
         # ranks streaming at once, at each size's working set and at a cache-sized one.
         env["group_bandwidth_gbps"] = {str(n): costmodel.measure_group_bandwidth_gbps(n)
                                        for n in sizes if n >= FLOOR_MIN_BYTES}
         env["group_bandwidth_fast_gbps"] = costmodel.measure_group_bandwidth_gbps(costmodel.FAST_WORKING_SET)
-    if device.type == "cpu" and p > 1 and spec.floors and any(n < FLOOR_MIN_BYTES for n in sizes):
+    if device.type == "cpu" and p > 1 and floors and any(n < FLOOR_MIN_BYTES for n in sizes):
         # Small calls' floor: one cache-line handoff, then the result written once.
         env["handoffs"] = costmodel.measure_handoffs()
         small = [n for n in sizes if n in SMALL_FLOOR_SIZES] or [min(sizes)]
@@ -355,6 +356,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--blocking", action="store_true",
                     help="isolated calls: each starts from a tight barrier made of the row's own transport (a "
                          "one-element all-reduce through it; MPI_Barrier for MPI) and is timed alone")
+    ap.add_argument("--floors", action=argparse.BooleanOptionalAction, default=True,
+                    help="measure the memory-traffic and small-message floors each row is set against (CPU; "
+                         "--no-floors: the rows alone, as compare's this-host fit needs)")
     ap.add_argument("--anchors", default="all",
                     help="external peers measured in the same run: all (what can run here), none, or a comma list "
                          "of mpi (MPICH or Open MPI through mpi4py, under mpiexec) and deepspeed (its CPU shm all-reduce)")
