@@ -112,6 +112,28 @@ def test_a_faster_link_shrinks_only_communication():
     assert a[0]["breakdown"]["backward_ms"] == b[0]["breakdown"]["backward_ms"]
 
 
+def test_where_ranks_outnumber_cores_the_buckets_share_backwards_cores():
+    """4 ranks on 2 cores: gloo's threads ran DDP's buckets during backward on the cores
+    backward needed, which slowed backward and left 58 ms after it (compare, 2026-12-05,
+    the 100 M-parameter transformer); the model ran every bucket after backward (388 ms
+    exposed). Processor sharing: each at half speed while both run."""
+    assert M.shared_cores([10.0], [5.0], 10.0) == (10.0, 15.0)  # ready at the end: all of it exposed
+    assert M.shared_cores([0.0], [4.0], 10.0) == pytest.approx((14.0, 14.0))  # both at half speed for 8
+    assert M.shared_cores([0.0, 10.0], [4.0, 3.0], 10.0) == pytest.approx((14.0, 17.0))
+    import dataclasses
+
+    prof = dataclasses.replace(M.load_profile("rtx4090-pcie4"), overlap=False)
+    s = M.Setup("mlp", world=4, batch_size=256, width=1024, depth=4, bucket_cap_mb=1)
+    rows = {r["mode"]: r for r in M.predict(["ddp", "ddp:noop"], s, prof)}
+    ddp, noop = rows["ddp"], rows["ddp:noop"]
+    sync = ddp["grad_sync_ms"]
+    assert ddp["breakdown"]["buckets"] > 2
+    assert 0 < sync["exposed"] < sync["total"]  # only what is left after backward is exposed
+    # Nothing runs in parallel: the step still pays for all of it, partly inside backward.
+    assert ddp["iter_ms"]["median"] == pytest.approx(noop["iter_ms"]["median"] + sync["total"])
+    assert ddp["breakdown"]["backward_slowed_by_sync_ms"] == pytest.approx(sync["total"] - sync["exposed"])
+
+
 def test_the_peak_at_a_larger_batch_is_the_one_traced_there():
     """At a small batch the gradients make the step's peak, at a large one the
     activations: one line through the two traced peaks put a transformer's 8 % low at

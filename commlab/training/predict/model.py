@@ -31,7 +31,7 @@ class Profile:
     # this-host (CPU): what was measured instead of a datasheet
     compute_ms: float | None = None  # one compute-only step (ddp:noop) of the model at the batch compared
     fits: dict = field(default_factory=dict)  # collective -> algorithm -> {alpha_us, beta_us_per_byte, gamma_us_per_byte}
-    overlap: bool = True  # False where ranks outnumber cores: communication takes the cores backward needs
+    overlap: bool = True  # False where ranks outnumber cores: communication shares the cores backward needs
     arrival_skew_ms: float = 0.0  # how far apart ranks reach their first bucket (ddp:noop): the first to arrive waits
     optimizer_ms: float | None = None  # of compute_ms, the optimizer step (ddp:noop): shared out by bytes, not FLOPs
     copy_us_per_byte: float | None = None  # this host: a byte read or written by a copy (a third of the bench's γ)
@@ -203,6 +203,38 @@ def _step_times(s: Setup, prof: Profile, steps: Steps):
     return b, st, t, phase["fwd"], phase["bwd"], phase["opt"]
 
 
+def shared_cores(ready: list[float], costs: list[float], compute_end: float) -> tuple[float, float]:
+    """Where ranks outnumber cores, a rank's backward and its communication thread share
+    the rank's part of the cores: while both run each goes at half its speed (processor
+    sharing); the buckets go one at a time, each once compute has reached its ready point.
+    Returns (when compute ends, when the last bucket ends): the first is backward slowed
+    by what ran beside it, the difference the exposed part."""
+    pending = sorted(zip((min(r, compute_end) for r in ready), costs))
+    queue: list[float] = []  # the released buckets' remaining cost, in order
+    t = work = 0.0
+    compute_done = None
+    i = 0
+    while True:
+        while i < len(pending) and pending[i][0] <= work + 1e-9:
+            queue.append(pending[i][1])
+            i += 1
+        computing = work < compute_end - 1e-9
+        if not computing and compute_done is None:
+            compute_done = t
+        if not computing and not queue:
+            return compute_done, t
+        rate = 0.5 if computing and queue else 1.0
+        dt = min(([(min(pending[i][0] if i < len(pending) else compute_end, compute_end) - work) / rate]
+                  if computing else []) + ([queue[0] / rate] if queue else []))
+        if computing:
+            work += dt * rate
+        if queue:
+            queue[0] -= dt * rate
+            if queue[0] <= 1e-9:
+                queue.pop(0)
+        t += dt
+
+
 def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
     p = s.world
     b, st, t, fwd, bwd, opt = _step_times(s, prof, steps)
@@ -210,17 +242,21 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
     for x in t:
         done.append(done[-1] + x)
     algorithm = "builtin" if mode == "ddp" else mode.split(":", 1)[1] if mode.startswith("ddp:") else None
-    total = exposed = waiting = 0.0
+    total = exposed = waiting = slowed = 0.0
     bks = buckets(st.params, s.bucket_cap_mb, ready_order(st)) if algorithm not in (None, "noop") else []
     if bks:
-        end = 0.0
-        for bk in bks:
-            ready = max(done[st.grad_ready[i]] for i in bk)
-            cost = allreduce_us(prof, algorithm, p, sum(st.params[i] for i in bk))  # fp32 grads, autocast or not
-            total += cost
-            end = (max(ready, end) if prof.overlap else max(fwd + bwd, end)) + cost
-        exposed = max(0.0, end - (fwd + bwd))
-    it = fwd + bwd + exposed + opt
+        ready = [max(done[st.grad_ready[i]] for i in bk) for bk in bks]
+        costs = [allreduce_us(prof, algorithm, p, sum(st.params[i] for i in bk)) for bk in bks]  # fp32 grads
+        total = sum(costs)
+        if prof.overlap:  # a core of its own: communication runs beside backward at full speed
+            end = 0.0
+            for r, c in zip(ready, costs):
+                end = max(r, end) + c
+            exposed = max(0.0, end - (fwd + bwd))
+        else:
+            compute_end, end = shared_cores(ready, costs, fwd + bwd)
+            slowed, exposed = compute_end - (fwd + bwd), end - compute_end
+    it = fwd + bwd + slowed + exposed + opt
     busy = 100.0 * (fwd + bwd + opt + exposed) / it
     if total:
         # A rank that reaches the first bucket early waits there for the last: compare
@@ -230,7 +266,7 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
         total += waiting
         exposed += waiting
     info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / 1e3,
-            "buckets": len(bks),
+            "buckets": len(bks), **({"backward_slowed_by_sync_ms": slowed / 1e3} if slowed else {}),
             "per_device_batch": b}
     # compare's tensor bytes: parameters, gradients, DDP's bucket copies of them
     # (gradient_as_bucket_view=False; the reducer holds them in every DDP mode), optimizer state.
