@@ -452,6 +452,35 @@ def test_the_floors_can_be_left_out_and_this_hosts_fit_leaves_them_out(tmp_path,
     assert "--no-floors" in seen[0]
 
 
+def test_clock_offsets_are_found_within_the_error_they_state():
+    """Three ranks (threads on one store) whose clocks read rank 0's + 0, + 5 s and - 2.5 s:
+    each finds its offset to rank 0 within its stated error, which is half a round trip."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from commlab.measure.clocks import offset_to_rank0
+
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=30))
+    shifts, got = {0: 0.0, 1: 5.0, 2: -2.5}, {}
+
+    def rank(r):
+        got[r] = offset_to_rank0(store, r, 3, clock=lambda: time.perf_counter() + shifts[r], name="test")
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in shifts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got[0] == (0.0, 0.0)
+    for r in (1, 2):
+        offset, error = got[r]
+        assert 0 < error < 0.5 and abs(offset + shifts[r]) <= error + 1e-6, (r, got[r])
+
+
 def test_memory_floor_takes_the_larger_bound():
     from commlab.algorithms import Traffic
 

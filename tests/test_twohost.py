@@ -172,3 +172,31 @@ def test_emulated_hosts_script_runs_the_bench_over_shaped_links():
     assert {r[4] for r in rows} == {"builtin", "hier"} and all(r[9] == "0" for r in rows), proc.stdout[-3000:]
     assert "# emulated: 2 hosts x 2 ranks, each host link 10gbit" in proc.stdout
     assert _ip("netns", "list").stdout == before
+
+
+def test_the_bench_traces_ranks_on_two_hosts_on_rank_0s_clock(tmp_path):
+    """--trace across hosts (refused before: the hosts' clocks were not aligned): each rank
+    measures its offset from rank 0's clock through the store and its calls enter the
+    trace on rank 0's. The emulated hosts share one kernel clock, so every offset found
+    must be zero within the error it states."""
+    import json
+
+    if os.environ.get("COMMLAB_TWOHOST") == "0":
+        pytest.skip("COMMLAB_TWOHOST=0")
+    if os.geteuid() != 0 or _ip("netns", "list", check=False).returncode != 0:
+        pytest.skip("network namespaces need root")
+    out = tmp_path / "t.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "emulated_hosts.py"), "--hosts", "2",
+                           "--ranks", "2", "--rate", "10gbit", "--port", "29617", "--", "--algorithms", "builtin",
+                           "-b", "64K", "-e", "64K", "--anchors", "none", "-n", "4", "-w", "1", "--rounds", "1",
+                           "--trace", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    meta = doc["otherData"]
+    assert "rank 0's time.perf_counter" in meta["clock"], meta
+    offsets, errors = meta["offsets_us"], meta["errors_us"]
+    assert len(offsets) == len(errors) == 4 and offsets[0] == errors[0] == 0
+    for off, err in zip(offsets[1:], errors[1:]):
+        assert 0 < err < 20_000 and abs(off) <= err + 1, (offsets, errors)
+    calls = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in calls} == {0, 1, 2, 3} and all(e["ts"] >= 0 for e in calls)

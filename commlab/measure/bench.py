@@ -27,7 +27,7 @@ from commlab import algorithms
 from commlab.algorithms import tuning
 from commlab.core import groups
 from commlab.core.reduction import Op, parse_op
-from commlab.measure import costmodel, envinfo, launch
+from commlab.measure import clocks, costmodel, envinfo, launch
 from commlab.measure.rows import anchor_rows, registry_rows
 from commlab.measure.specs import SPECS, check_input, check_op
 from commlab.measure.timing import Interleaved, round_order
@@ -59,9 +59,11 @@ def run_bench(args) -> dict | None:
     sizes = size_list(args)
     env = envinfo.collect(device)
     env["ranks_per_host"], env["machine_ranks"] = host_layout()
+    to_rank0 = (0.0, 0.0)  # this rank's offset to rank 0's clock, and its error (s)
     if getattr(args, "trace", None) and len(env["ranks_per_host"]) > 1:  # every rank sees the same layout
-        raise ValueError(f"commlab bench: --trace needs every rank on one host (ranks per host: "
-                         f"{env['ranks_per_host']}); hosts' clocks are not aligned yet")
+        # Hosts read different clocks: each rank's calls go into the trace on rank 0's.
+        to_rank0 = clocks.offset_to_rank0(dist.distributed_c10d._get_default_store(), dist.get_rank(),
+                                          dist.get_world_size())
     env["cores"] = len(os.sched_getaffinity(0))
     env["gamma_us_per_byte"] = costmodel.measure_gamma_us_per_byte(dtype, device)
     floors = spec.floors and getattr(args, "floors", True)
@@ -124,9 +126,15 @@ def run_bench(args) -> dict | None:
         "back-to-back calls (nccl-tests' loop time)"
     doc = {"collective": collective, "env": env, "results": results}
     if getattr(args, "trace", None):
-        per_rank = [None] * p
-        dist.all_gather_object(per_rank, traced)  # small: at most TRACE_CALLS calls a round
-        doc["trace"] = per_rank
+        per_rank = [None] * dist.get_world_size()
+        shifted = [dict(t, calls=[(a + to_rank0[0], b + to_rank0[0]) for a, b in t["calls"]]) for t in traced]
+        dist.all_gather_object(per_rank, (shifted, to_rank0))  # small: at most TRACE_CALLS calls a round
+        doc["trace"] = [r for r, _ in per_rank]
+        if len(env["ranks_per_host"]) > 1:
+            doc["trace_clock"] = {"clock": "rank 0's time.perf_counter; every other rank's calls shifted by its "
+                                           "offset, measured through the store before the first row (NTP's exchange)",
+                                  "offsets_us": [c[0] * 1e6 for _, c in per_rank],
+                                  "errors_us": [c[1] * 1e6 for _, c in per_rank]}
     if getattr(args, "tune", None) and spec.tunes:
         doc["tuning"] = tuning_entry(args, doc, device, names)
     return doc if rank == 0 else None
@@ -320,8 +328,8 @@ def write_outputs(doc: dict, args, suffix: str | None = None) -> None:
     if traced is not None:
         from commlab.measure import trace
 
-        trace.write(trace.bench_trace(traced, {"collective": doc["collective"], "timing": doc["env"]["timing"]}),
-                    named(args.trace))
+        meta = {"collective": doc["collective"], "timing": doc["env"]["timing"], **doc.pop("trace_clock", {})}
+        trace.write(trace.bench_trace(traced, meta), named(args.trace))
     if args.json:
         with open(named(args.json), "w") as f:
             json.dump(doc, f, indent=2)
@@ -377,7 +385,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--json"), ap.add_argument("--csv"), ap.add_argument("--plot")
     ap.add_argument("--trace", metavar="FILE",
                     help="CPU: every rank's timed calls (up to 2000 a round) as one Chrome trace (Perfetto, "
-                         "chrome://tracing): a process per rank, a thread per algorithm; ranks on one host")
+                         "chrome://tracing): a process per rank, a thread per algorithm; ranks on several hosts "
+                         "on rank 0's clock, with the offsets measured through the store")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--tune", metavar="FILE",
                     help="write the fastest correct algorithm per size range for this layout into FILE (kept "

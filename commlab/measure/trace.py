@@ -8,7 +8,8 @@ the end of backward, the last completion) and the blocking collectives of the sh
 modes (FSDP's all-gathers and reduce-scatters, ZeRO-1's parameter broadcast): the very
 timestamps compare's table sums, so the picture and the numbers cannot disagree. Times
 are time.perf_counter's, which on Linux is CLOCK_MONOTONIC: one clock for every process of a host, no offset to estimate
-(ranks on several hosts are not traced yet)."""
+(compare's ranks share a host; the bench's ranks on several hosts are put on rank 0's
+clock with the offsets commlab.measure.clocks measures)."""
 from __future__ import annotations
 
 import json
@@ -158,7 +159,7 @@ def bench_trace(ranks: list[list[dict]], meta: dict) -> dict:
                                "dur": round((b - a) * 1e6, 3), "pid": rank, "tid": names.index(rd["algorithm"]),
                                "args": {"bytes": rd["bytes"], "round": rd["round"], "call": j}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {**meta, "clock": "time.perf_counter (CLOCK_MONOTONIC), one host: no offsets",
+            "otherData": {"clock": "time.perf_counter (CLOCK_MONOTONIC), one host: no offsets", **meta,
                           "source": "commlab.allreduce_bench --trace"}}
 
 
