@@ -250,6 +250,26 @@ def test_this_host_fits_every_collective_the_sharded_modes_use():
         2 * 1e-4 * outputs, rel=1e-6)
 
 
+def test_this_host_prices_a_call_from_the_bench_times_around_its_size():
+    """Between two sizes the bench timed, a call costs what the bench measured there,
+    interpolated; the α-β fit only past them. gloo's all-gather grows faster than linearly
+    past 16 MiB: the fit put 64 MiB at 66 ms where the bench measured 100 (2026-12-05), and
+    FSDP's 48 MiB blocks fell in between."""
+    times = {4096: 1000.0, 1 << 20: 2000.0, 16 << 20: 14000.0, 64 << 20: 100000.0}
+    bench = {"collective": "all_gather", "env": {"world_size": 4, "gamma_us_per_byte": 3e-5},
+             "results": [{"algorithm": "builtin", "bytes": n, "time_us": t} for n, t in times.items()]}
+    prof = M.this_host([bench], compute_ms=100.0, ranks=4, cores=2)
+    for n, t in times.items():
+        assert M.collective_us(prof, "all_gather", "builtin", 4, n) == pytest.approx(t)
+    assert M.collective_us(prof, "all_gather", "builtin", 4, 48 << 20) == pytest.approx(14000 + 86000 * 32 / 48)
+    f = prof.fits["all_gather"]["builtin"]
+    from commlab import algorithms
+
+    fitted = algorithms.registry("all_gather").get("builtin").cost(4, 128 << 20).time(
+        f["alpha_us"], f["beta_us_per_byte"], f["gamma_us_per_byte"])
+    assert M.collective_us(prof, "all_gather", "builtin", 4, 128 << 20) == pytest.approx(fitted)
+
+
 @pytest.mark.parametrize("name", M.profile_names())
 def test_every_profile_cites_its_numbers(name):
     prof = M.load_profile(name)

@@ -31,6 +31,7 @@ class Profile:
     # this-host (CPU): what was measured instead of a datasheet
     compute_ms: float | None = None  # one compute-only step (ddp:noop) of the model at the batch compared
     fits: dict = field(default_factory=dict)  # collective -> algorithm -> {alpha_us, beta_us_per_byte, gamma_us_per_byte}
+    measured: dict = field(default_factory=dict)  # collective -> algorithm -> [[bytes, µs], ...]: the bench's own rows
     overlap: bool = True  # False where ranks outnumber cores: communication shares the cores backward needs
     arrival_skew_ms: float = 0.0  # how far apart ranks reach their first bucket (ddp:noop): the first to arrive waits
     optimizer_ms: float | None = None  # of compute_ms, the optimizer step (ddp:noop): shared out by bytes, not FLOPs
@@ -52,12 +53,14 @@ def load_profile(name: str) -> Profile:
 
 def this_host(benches: list[dict], compute_ms: float, ranks: int, cores: int, arrival_skew_ms: float = 0.0,
               optimizer_ms: float | None = None, first_touch_us_per_byte: float = 0.0) -> Profile:
-    """This machine, measured: each algorithm's α, β, γ fitted to bench runs (one per
-    collective) at the world size compared, the compute-only step and how far apart the
-    ranks reach their first bucket (both from ddp:noop)."""
+    """This machine, measured: each algorithm's times from bench runs (one per collective)
+    at the world size compared, interpolated between the sizes timed, and their α, β, γ
+    fit beyond them; the compute-only step and how far apart the ranks reach their first
+    bucket (both from ddp:noop)."""
     from commlab.measure import costmodel
 
     fits: dict = {}
+    measured: dict = {}
     gammas = [b["env"]["gamma_us_per_byte"] for b in benches if b["env"].get("gamma_us_per_byte")]
     for bench in benches:
         p, collective = int(bench["env"]["world_size"]), bench.get("collective", "all_reduce")
@@ -65,9 +68,12 @@ def this_host(benches: list[dict], compute_ms: float, ranks: int, cores: int, ar
                             bench["env"].get("gamma_us_per_byte"), collective)
         fits[collective] = {a: {"alpha_us": f.alpha_us, "beta_us_per_byte": f.beta_us_per_byte,
                                 "gamma_us_per_byte": f.gamma_us_per_byte} for a, f in got.items()}
+        for r in bench["results"]:
+            measured.setdefault(collective, {}).setdefault(r["algorithm"], []).append([r["bytes"], r["time_us"]])
     return Profile(name="this-host", description=f"this machine: {cores} cores, {ranks} ranks; fitted from bench runs",
                    device="cpu", memory_bytes=0.0, memory_bandwidth_gbps=0.0, peak_tflops={}, link={},
                    compute_ms=compute_ms, overlap=ranks < cores, arrival_skew_ms=arrival_skew_ms or 0.0, fits=fits,
+                   measured={c: {a: sorted(rows) for a, rows in by.items()} for c, by in measured.items()},
                    optimizer_ms=optimizer_ms,
                    # γ: one element-wise SUM per byte of input, three bytes of traffic (two reads, one write)
                    copy_us_per_byte=gammas[0] / 3 if gammas else None,
@@ -149,7 +155,15 @@ def collective_us(prof: Profile, collective: str, algorithm: str, p: int, nbytes
     buffer, all-gather's output, reduce-scatter's input, broadcast's buffer): fitted α,
     β, γ on this host; the link's rates on a hardware profile."""
     c = algorithms.registry(collective).get(algorithm).cost(p, nbytes)
-    if prof.compute_ms is not None:  # fitted on this host
+    if prof.compute_ms is not None:  # measured on this host
+        rows = prof.measured.get(collective, {}).get(algorithm) or []
+        if len(rows) > 1 and rows[0][0] <= nbytes <= rows[-1][0]:
+            # Between two sizes the bench timed: its own times, interpolated (exact for an
+            # affine cost). The fit is for sizes it did not reach: gloo's all-gather grows
+            # faster than linearly past 16 MiB, where the fit put 64 MiB at 66 ms, not 100.
+            k = next(i for i in range(1, len(rows)) if nbytes <= rows[i][0])
+            (n0, t0), (n1, t1) = rows[k - 1], rows[k]
+            return t1 if n1 == n0 else t0 + (t1 - t0) * (nbytes - n0) / (n1 - n0)
         f = prof.fits.get(collective, {}).get(algorithm)
         if f is None:
             raise ValueError(f"this-host has no {collective} fit for {algorithm!r} "
