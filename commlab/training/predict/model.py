@@ -152,8 +152,8 @@ def op_times_us(step: Step, prof: Profile, amp: str | None) -> list[float]:
 
 def collective_us(prof: Profile, collective: str, algorithm: str, p: int, nbytes: float) -> float:
     """One call of a family's algorithm on nbytes (its cost formula's size: all-reduce's
-    buffer, all-gather's output, reduce-scatter's input, broadcast's buffer): fitted α,
-    β, γ on this host; the link's rates on a hardware profile."""
+    buffer, all-gather's output, reduce-scatter's input, broadcast's buffer): on this host
+    the bench's times (its fit past the sizes it timed); the link's rates on a hardware profile."""
     c = algorithms.registry(collective).get(algorithm).cost(p, nbytes)
     if prof.compute_ms is not None:  # measured on this host
         rows = prof.measured.get(collective, {}).get(algorithm) or []
