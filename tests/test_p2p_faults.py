@@ -72,9 +72,15 @@ def test_a_frozen_peer_in_the_agreement_is_named(monkeypatch):
     # Deterministic form of the CI failure: rank 1 freezes between calls, so its peers
     # wait for it in the next call's agreement (shared memory), not on the link.
     monkeypatch.setenv("COMMLAB_PEER_TIMEOUT", "2")
+    import time
+
+    t0 = time.monotonic()
     got = drill("ring", "sigstop-between", world_size=3)
     _every_survivor_raises(got, limit_s=2 + 2.5)
     assert all("stopped responding" in o["msg"] for o in got["survivors"].values()), got
+    # Once every survivor has named it, the frozen rank is killed: the drill does not wait
+    # out its timer (the peer timeout + 5 s; every such drill took 7.5 s).
+    assert time.monotonic() - t0 < 6.0
 
 
 def _mid_transfer(rank, p, nbytes):

@@ -132,7 +132,20 @@ def _call_of(collective: str, algorithm: str, p: int):
     return _CALLS[collective](algorithm, p)
 
 
-def _rank(rank: int, p: int, algorithm: str, fault: str, delay: float, host_of, collective: str = "all_reduce") -> dict:
+def _release_frozen(key: str, p: int, victim_pid: int) -> None:
+    """A survivor has named the frozen rank. Once every survivor has, nothing is left to
+    learn from it: the last of them kills it, where the drill's timer waited out the peer
+    timeout and 5 s more (every sigstop drill took 7.5 s where its survivors were done in
+    2.5). The timer stays, for survivors that never raise."""
+    try:
+        if dist.distributed_c10d._get_default_store().add(key, 1) == p - 1:
+            _kill(victim_pid)
+    except Exception:  # noqa: BLE001 - the store gone with a failed group: the timer kills it
+        pass
+
+
+def _rank(rank: int, p: int, algorithm: str, fault: str, delay: float, host_of, collective: str = "all_reduce",
+          victim_pid: int | None = None, key: str = "") -> dict:
     if host_of:
         os.environ["COMMLAB_HOST_ID"] = f"h{host_of[rank]}"
     call = _call_of(collective, algorithm, p)
@@ -157,8 +170,11 @@ def _rank(rank: int, p: int, algorithm: str, fault: str, delay: float, host_of, 
             os._exit(1)
         from commlab.core.errors import CommlabError
 
-        return {"type": type(e).__name__, "commlab": isinstance(e, CommlabError), "msg": str(e),
-                "after": time.monotonic() - at, "calls": calls}
+        out = {"type": type(e).__name__, "commlab": isinstance(e, CommlabError), "msg": str(e),
+               "after": time.monotonic() - at, "calls": calls}
+        if fault.startswith("sigstop") and victim_pid is not None:
+            _release_frozen(key, p, victim_pid)
+        return out
     return {"type": None, "after": None, "calls": calls}
 
 
@@ -186,12 +202,17 @@ def drill(algorithm: str, fault: str, world_size: int = 3, delay: float = 0.5, h
     host_of = [r * hosts // world_size for r in range(world_size)] if hosts > 1 else None
     pool = RankPool(world_size, pg_timeout_s=pg_timeout_s)
     killed_s = None
+    timer = None
     if fault.startswith("sigstop"):  # the frozen rank is killed once its peers had every chance to name it
         from commlab.transports.link import peer_timeout
 
         killed_s = peer_timeout() + 5
-        threading.Timer(delay + killed_s, _kill, (pool.pid(VICTIM),)).start()
-    res = pool.outcomes(_rank, algorithm, fault, delay, host_of, collective, timeout=delay + 75)
+        timer = threading.Timer(delay + killed_s, _kill, (pool.pid(VICTIM),))
+        timer.start()
+    res = pool.outcomes(_rank, algorithm, fault, delay, host_of, collective, pool.pid(VICTIM),
+                        f"commlab/drill/{os.urandom(8).hex()}/named", timeout=delay + 75)
+    if timer is not None:
+        timer.cancel()
     survivors = {r: (res[r].result if res[r].status == "ok" else {"type": "NO ANSWER", "error": res[r].error})
                  for r in range(world_size) if r != VICTIM}
     raised = [o for o in survivors.values() if o.get("after") is not None and o["type"] not in (None, "WRONG DATA")]

@@ -486,7 +486,7 @@ def _init_pool_group(rank: int, world_size: int, workdir: str, backend: str, pg_
 
 class RankPool:
     """The one local launcher: ranks as fresh processes on this host (forked from a server
-    that imported torch and nothing else, see _BOOT), each with
+    that imported torch and what preload() added, nothing of commlab; see _BOOT), each with
     torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT on loopback) and, unless backend is None, a process group already up;
     they run the functions sent to them, fn(rank, world_size, *args), and send back the
