@@ -135,6 +135,36 @@ def test_the_sharded_modes_run_out_of_emulated_memory_too(mode):
     assert cli.run_mode(mode, 2, dict(args, mem_limit_mb=None))["status"] == "ok"
 
 
+def test_sharded_modes_accumulate_and_autocast_as_ddp_does():
+    """--accum-steps and --amp bf16 in the sharded modes (refused before): zero1 skips
+    DDP's reduction in all but the last micro-step, FSDP2 its reduce-scatter; every mode
+    ends with DDP's parameters. fp16 (a GradScaler over sharded gradients) and
+    --checkpoint are still refused, with the reason."""
+    from commlab.training.compare import cli
+
+    args = {"device": "cpu", "share_gpu": False, "timeout": 60.0, "mem_limit_mb": None, "model": "transformer",
+            "width": 64, "depth": 2, "input_shape": None, "checkpoint": False, "bucket_cap_mb": 25.0, "lr": 1e-3,
+            "optimizer": "adamw", "batch_size": 8, "accum_steps": 2, "amp": "bf16", "warmup": 1, "iters": 2,
+            "mode_timeout": 240.0, "threads": 1, "return_params": True}
+    rows = {m: cli.run_mode(m, 2, args) for m in ("ddp", "zero1", "fsdp:shm")}
+    for m, r in rows.items():
+        assert r["status"] == "ok", r
+    ref = rows["ddp"]["params"]
+    for m in ("zero1", "fsdp:shm"):
+        assert max(abs(a - b) for a, b in zip(rows[m]["params"], ref)) < 1e-4, m
+    assert rows["fsdp:shm"]["final_loss"] == pytest.approx(rows["ddp"]["final_loss"], rel=1e-3)
+    # Per step: ZeRO-1 reduces once (then broadcasts), as without accumulation; FSDP gathers
+    # every unit in both micro-steps' forward and backward and reduce-scatters once.
+    from commlab.training import workloads
+
+    n = sum(t.numel() for t in workloads.build("transformer", width=64, depth=2).model.parameters())
+    assert rows["zero1"]["comm_mb"] * 2**20 == pytest.approx(2 * 4 * n, rel=0.05)
+    assert rows["fsdp:shm"]["comm_mb"] * 2**20 == pytest.approx(5 * 4 * n, rel=0.05)
+    for bad in ({"amp": "fp16"}, {"checkpoint": True}):
+        r = cli.run_mode("fsdp", 2, dict(args, **bad))
+        assert r["status"] == "unavailable" and "yet" in r["reason"], r
+
+
 def test_sharded_modes_train_alike_and_hold_what_the_formulas_say():
     """ddp, zero1, fsdp (torch's collectives, and commlab's shm through FSDP2's custom
     comm hooks), fsdp:noreshard: the same transformer, seed, data and AdamW end with the

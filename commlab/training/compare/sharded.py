@@ -17,6 +17,7 @@ gradient's accumulation and after the optimizer step, in one extra step after th
 timed ones."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import resource
 import time
@@ -202,18 +203,36 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
 
     spans: list[tuple[str, float, float]] = []  # --trace: this rank's compute, on the collectives' clock
 
+    accum = args.get("accum_steps", 1)
+    micro = max(per_rank // accum, 1)
+    amp_dtype = {"bf16": torch.bfloat16}.get(args.get("amp"))
+
+    def reducing(on: bool):
+        """Gradient accumulation: no communication before the last micro-step (DDP's
+        no_sync for zero1; FSDP2 keeps the unsharded gradients until then)."""
+        if mode == "zero1":
+            return contextlib.nullcontext() if on else net.no_sync()
+        net.set_requires_gradient_sync(on)
+        return contextlib.nullcontext()
+
     def step(i):
         comm.step()
         opt.zero_grad(set_to_none=True)
-        x, y = wl.make_batch(per_rank, seed=i * 1000 + rank)
-        t0 = time.perf_counter()
-        loss = wl.loss(net(x).float(), y)
-        t1 = time.perf_counter()
-        loss.backward()
+        total = 0.0
+        for k in range(accum):
+            x, y = wl.make_batch(micro, seed=(i * accum + k) * 1000 + rank)
+            with reducing(k == accum - 1):
+                t0 = time.perf_counter()
+                with torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
+                    loss = wl.loss(net(x).float(), y) / accum
+                t1 = time.perf_counter()
+                loss.backward()
+                spans.extend((("forward", t0, t1), ("backward", t1, time.perf_counter())))
+            total += float(loss.detach())
         t2 = time.perf_counter()
         opt.step()
-        spans.extend((("forward", t0, t1), ("backward", t1, t2), ("optimizer", t2, time.perf_counter())))
-        return float(loss.detach())
+        spans.append(("optimizer", t2, time.perf_counter()))
+        return total
 
     for i in range(args["warmup"]):
         step(i)
