@@ -419,6 +419,8 @@ def preload(*modules: str) -> None:
     """Modules the ranks' server imports once, for every rank forked after: effective only
     before this process's first rank starts (the server starts then, and stays)."""
     _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
 _BOOT = """
 import os
 os.environ.clear()

@@ -58,6 +58,13 @@ def last_arrivals(records: list[dict]) -> dict[tuple, tuple[float, int]]:
     return last
 
 
+def _arrival_cut(last: dict, k: int, key: tuple, a: float, b: float, rank: int) -> tuple[float, int]:
+    """Where the span [a, b] of a rank's synchronisation (key, iteration k) stops waiting
+    for the last rank to arrive, and that rank: the table's split and the trace's alike."""
+    at, who = last.get((k, key), (a, rank))
+    return min(max(at, a), b), who
+
+
 def exposed_split(records: list[dict]) -> dict:
     """compare's exposed synchronisation from every rank's record: per rank the mean over
     iterations of its exposed spans, and of their part after the last rank arrived (the
@@ -68,12 +75,12 @@ def exposed_split(records: list[dict]) -> dict:
         return {"exposed": None, "after_arrival": None}
     last = last_arrivals(records)
     exposed, after = [], []
-    for rec in records:
+    for rank, rec in enumerate(records):
         e = a = 0.0
         for k, it in enumerate(rec["iterations"]):
             for key, x, y, _ in _exposed_spans(it):
                 e += y - x
-                a += y - min(max(last.get((k, key), (x,))[0], x), y)
+                a += y - _arrival_cut(last, k, key, x, y, rank)[0]
         n = len(rec["iterations"])
         exposed.append(e / n * 1e3)
         after.append(a / n * 1e3)
@@ -106,8 +113,7 @@ def chrome_trace(records: list[dict], mode: str) -> dict:
 
     def exposed(k: int, key: tuple, a: float, b: float, rank: int, what: dict) -> None:
         # Drawn in two parts: before the last rank arrived (this rank waited for it) and after.
-        at, who = last.get((k, key), (a, rank))
-        cut = min(max(at, a), b)
+        cut, who = _arrival_cut(last, k, key, a, b, rank)
         if cut > a:
             span(f"exposed: waiting for rank {who}", "exposed", a, cut, rank, "exposed sync",
                  {**what, "iteration": k, "waiting_for": who, "to": "the last rank's arrival"})
