@@ -160,6 +160,22 @@ def test_sharded_modes_accumulate_and_autocast_as_ddp_does():
     n = sum(t.numel() for t in workloads.build("transformer", width=64, depth=2).model.parameters())
     assert rows["zero1"]["comm_mb"] * 2**20 == pytest.approx(2 * 4 * n, rel=0.05)
     assert rows["fsdp:shm"]["comm_mb"] * 2**20 == pytest.approx(5 * 4 * n, rel=0.05)
+    # commlab.predict with the same --accum-steps: the same bytes on the wire, each rank's
+    # tensor bytes within 10 % (FSDP's full gradients held from the first micro-step).
+    from commlab.training.predict import model as M
+
+    fit = {"alpha_us": 50.0, "beta_us_per_byte": 1e-3, "gamma_us_per_byte": 1e-4}
+    host = M.Profile(name="t", description="", device="cpu", memory_bytes=0.0, memory_bandwidth_gbps=0.0,
+                     peak_tflops={}, link={}, compute_ms=100.0, overlap=False,
+                     fits={c: {"builtin": fit, "shm": fit} for c in ("all_reduce", "all_gather", "reduce_scatter",
+                                                                     "broadcast")})
+    setup = M.Setup(model="transformer", world=2, batch_size=8, width=64, depth=2, optimizer="adamw", amp="bf16",
+                    accum_steps=2)
+    for r in M.predict(list(rows), setup, host):
+        got = rows[r["mode"]]
+        assert r["comm_mb"] == pytest.approx(got["comm_mb"], rel=0.01), r["mode"]
+        assert r["tensor_mb"] == pytest.approx(got["tensor_mb"], rel=0.10), (r["mode"], r["tensor_breakdown_mb"],
+                                                                             got["tensor_breakdown_mb"])
     for bad in ({"amp": "fp16"}, {"checkpoint": True}):
         r = cli.run_mode("fsdp", 2, dict(args, **bad))
         assert r["status"] == "unavailable" and "yet" in r["reason"], r

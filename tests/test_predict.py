@@ -284,6 +284,47 @@ def test_every_profile_cites_its_numbers(name):
         M.load_profile("no-such-card")
 
 
+def test_accumulation_computes_every_micro_step_and_communicates_as_compare_does():
+    """--accum-steps k (compare's: k micro-steps of batch / world / k, one optimizer step):
+    DDP and ZeRO-1 reduce in the last micro-step only, DP moves everything in each, FSDP
+    gathers in each and reduce-scatters once, holding every unit's full gradients until
+    then. predict ignored it (every mode priced one micro-step of the whole batch)."""
+    prof, p, mib = M.load_profile("h100-sxm-nvlink"), 4, 2**20
+    rows = {}
+    for k in (1, 2):
+        s = M.Setup("transformer", world=p, batch_size=32, width=256, depth=4, optimizer="adamw", accum_steps=k)
+        steps = M.Steps(s)
+        rows[k] = {r["mode"]: r for r in M.predict(["ddp", "zero1", "fsdp", "fsdp:noreshard", "dp"], s, prof, steps)}
+    st = steps.at(s.micro_batch())
+    n, root = st.param_bytes, sum(st.params[i] for i in st.units[-1].params)
+    one, two = rows[1], rows[2]
+    for m, r in two.items():
+        b = r["breakdown"]
+        assert (b["micro_steps"], b["micro_batch"], b["per_device_batch"]) == (2, 4, 8), m
+        assert b["forward_ms"] < one[m]["breakdown"]["forward_ms"], m  # half the batch a micro-step
+    for m in ("ddp", "zero1"):  # the same reduction once a step, after two micro-steps of compute
+        assert two[m]["comm_mb"] == one[m]["comm_mb"]
+        assert two[m]["grad_sync_ms"]["total"] == pytest.approx(one[m]["grad_sync_ms"]["total"])
+    b = two["ddp"]["breakdown"]
+    assert two["ddp"]["iter_ms"]["median"] == pytest.approx(2 * (b["forward_ms"] + b["backward_ms"])
+                                                            + b["optimizer_ms"] + two["ddp"]["grad_sync_ms"]["exposed"])
+    assert two["dp"]["grad_sync_ms"]["total"] > 1.9 * one["dp"]["grad_sync_ms"]["total"]  # replicas, every forward
+    # FSDP: the gathers again in the second micro-step (compare measured 5 x 4 B/param with
+    # resharding); without resharding once per micro-step, and the reduce-scatters once.
+    assert two["fsdp"]["comm_mb"] * mib == pytest.approx(5 * n - 2 * root)
+    assert two["fsdp:noreshard"]["comm_mb"] * mib == pytest.approx(3 * n)
+    for m in ("fsdp", "fsdp:noreshard"):
+        held, before = two[m]["tensor_breakdown_mb"], one[m]["tensor_breakdown_mb"]
+        assert held["gradients"] * mib >= n - max(sum(st.params[i] for i in u.params) for u in st.units), m
+        assert held["gradients"] > before["gradients"] and two[m]["tensor_mb"] > one[m]["tensor_mb"], m
+    # This host: the measured compute-only step holds every micro-step, shared out among them.
+    host = M.Profile(name="t", description="", device="cpu", memory_bytes=0.0, memory_bandwidth_gbps=0.0,
+                     peak_tflops={}, link={}, compute_ms=100.0, optimizer_ms=10.0, overlap=False)
+    t = M.op_times_us(st, host, None, micro_steps=2)
+    micro = sum(x for x, o in zip(t, st.ops) if o.phase != "opt")
+    assert 2 * micro / 1e3 + sum(x for x, o in zip(t, st.ops) if o.phase == "opt") / 1e3 == pytest.approx(100.0)
+
+
 @needs_torchvision
 def test_max_batch_is_the_largest_that_fits():
     s = M.Setup("resnet50", world=4, batch_size=64)

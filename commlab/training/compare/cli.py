@@ -141,7 +141,7 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
 
     s = M.Setup(model=args["model"], world=world, batch_size=args["batch_size"], bucket_cap_mb=args["bucket_cap_mb"],
                 amp=args["amp"], checkpoint=args["checkpoint"], optimizer=args.get("optimizer", "sgd"),
-                **workloads.options(args))
+                accum_steps=args.get("accum_steps", 1), **workloads.options(args))
     wanted = [m for m in modes if m == "dp" or m == "ddp" or m.startswith("ddp:") or S.is_sharded(m)]
     if profile == "this-host":
         noop = next((m for m in measured if m["mode"] == "ddp:noop" and m["status"] == "ok"), None)

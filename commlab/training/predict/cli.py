@@ -45,6 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
     ap.add_argument("--amp", choices=["fp16", "bf16"], default=None)
     ap.add_argument("--checkpoint", action="store_true")
+    ap.add_argument("--accum-steps", type=int, default=1,
+                    help="micro-steps per optimizer step, each of batch / gpus / accum-steps (compare's)")
     ap.add_argument("--modes", default="dp,ddp,ddp:noop",
                     help="comma list: dp, ddp, ddp:<algorithm>, ddp:noop, zero1, fsdp, fsdp:noreshard, fsdp:<algorithm>")
     ap.add_argument("--optimizer", choices=["sgd", "adamw"], default=None,
@@ -60,7 +62,9 @@ def main(argv=None) -> int:
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     optimizer = a.optimizer or ("adamw" if any(sharded.is_sharded(m) for m in modes) else "sgd")
     s = M.Setup(model=a.model, world=a.gpus, batch_size=a.batch_size, bucket_cap_mb=a.bucket_cap_mb, amp=a.amp,
-                checkpoint=a.checkpoint, width=a.width, depth=a.depth, optimizer=optimizer)
+                checkpoint=a.checkpoint, width=a.width, depth=a.depth, optimizer=optimizer, accum_steps=a.accum_steps)
+    if a.accum_steps < 1:
+        ap.error("--accum-steps must be at least 1")
     try:
         s.input_shape = workloads.parse_shape(a.input_shape)
         steps = M.Steps(s)
@@ -74,7 +78,7 @@ def main(argv=None) -> int:
                 r["max_batch"] = M.max_batch(r["mode"], s, prof, steps, limit)
     env = {"predicted": True, "hardware": prof.name, "profile": prof.description, "device": prof.device,
            "world_size": a.gpus, "model": a.model, "batch_size": a.batch_size, "bucket_cap_mb": a.bucket_cap_mb,
-           "amp": a.amp, "checkpoint": a.checkpoint, "optimizer": optimizer}
+           "amp": a.amp, "checkpoint": a.checkpoint, "optimizer": optimizer, "accum_steps": a.accum_steps}
     doc = {"env": env, "modes": rows, "predicted": True, "sources": prof.sources}
     for k, v in env.items():
         print(f"# {k}: {v}")

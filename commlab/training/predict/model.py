@@ -95,10 +95,15 @@ class Setup:
     depth: int = 4
     input_shape: tuple[int, ...] | None = None  # a factory model's sample shape (workloads.user_model)
     optimizer: str = "sgd"  # sgd | adamw (compare's --optimizer): what the optimizer step and its state cost
+    accum_steps: int = 1  # micro-steps per optimizer step (compare's --accum-steps): each at batch / world / accum
+
+    def micro_batch(self, batch_size: int | None = None) -> int:
+        """A micro-step's per-device batch, as compare splits it."""
+        return max(1, max(1, (batch_size or self.batch_size) // self.world) // max(self.accum_steps, 1))
 
 
 class Steps:
-    """Steps at any per-device batch from two traces, at the setup's per-device batch b
+    """Steps at any per-device batch from two traces, at the setup's micro-step batch b
     and at 2b (meta tensors: a trace costs the same at any batch). Every operation's
     FLOPs and bytes are affine in the batch, and so are the bytes alive after each op;
     the peak is the largest of those at the batch asked for."""
@@ -106,7 +111,7 @@ class Steps:
     def __init__(self, s: Setup):
         kw = dict(width=s.width, depth=s.depth, checkpoint=s.checkpoint, input_shape=s.input_shape,
                   optimizer=s.optimizer)
-        self.b = max(1, s.batch_size // s.world)
+        self.b = s.micro_batch()
         self.one, self.two = trace(s.model, self.b, **kw), trace(s.model, 2 * self.b, **kw)
         if len(self.one.ops) != len(self.two.ops):
             raise ValueError(f"{s.model}: the traced step changes shape with the batch; cannot extrapolate")
@@ -128,15 +133,16 @@ class Steps:
                     buffers_bytes=one.buffers_bytes, units=one.units, optimizer=one.optimizer)
 
 
-def op_times_us(step: Step, prof: Profile, amp: str | None) -> list[float]:
-    """Per operation: the roofline on a GPU profile; on this host, the measured
-    compute-only step shared out by FLOPs (its matrix products dominate), its measured
-    optimizer step (element-wise: no FLOPs counted) by bytes over the optimizer's ops."""
+def op_times_us(step: Step, prof: Profile, amp: str | None, micro_steps: int = 1) -> list[float]:
+    """Per operation of one micro-step (and the step's optimizer): the roofline on a GPU
+    profile; on this host, the measured compute-only step (all its micro-steps) shared
+    out by FLOPs (its matrix products dominate), its measured optimizer step
+    (element-wise: no FLOPs counted) by bytes over the optimizer's ops."""
     if prof.compute_ms is not None:
         opt_us = (prof.optimizer_ms or 0.0) * 1e3
         flops = sum(o.flops for o in step.ops if o.phase != "opt") or 1.0
         moved = sum(o.bytes for o in step.ops if o.phase == "opt") or 1.0
-        rest = max(prof.compute_ms * 1e3 - opt_us, 0.0)
+        rest = max(prof.compute_ms * 1e3 - opt_us, 0.0) / max(micro_steps, 1)
         return [opt_us * o.bytes / moved if o.phase == "opt" else rest * o.flops / flops for o in step.ops]
     bw = prof.memory_bandwidth_gbps * 1e3  # bytes per µs
     out = []
@@ -208,11 +214,11 @@ def ready_order(st: Step) -> list[int]:
 
 
 def _step_times(s: Setup, prof: Profile, steps: Steps):
-    """The per-device step of a setup and its operations' times: (per-device batch,
-    step, per-op µs, forward, backward and optimizer µs)."""
+    """The per-device micro-step of a setup and its operations' times: (per-device batch,
+    micro-step, per-op µs, one micro-step's forward and backward µs, the optimizer's)."""
     b = max(1, s.batch_size // s.world)
-    st = steps.at(b)
-    t = op_times_us(st, prof, s.amp)
+    st = steps.at(s.micro_batch())
+    t = op_times_us(st, prof, s.amp, s.accum_steps)
     phase = {ph: sum(x for x, o in zip(t, st.ops) if o.phase == ph) for ph in ("fwd", "bwd", "opt")}
     return b, st, t, phase["fwd"], phase["bwd"], phase["opt"]
 
@@ -270,8 +276,10 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
         else:
             compute_end, end = shared_cores(ready, costs, fwd + bwd)
             slowed, exposed = compute_end - (fwd + bwd), end - compute_end
-    it = fwd + bwd + slowed + exposed + opt
-    busy = 100.0 * (fwd + bwd + opt + exposed) / it
+    # Accumulation: the micro-steps before the last run under no_sync, without a bucket.
+    earlier = (s.accum_steps - 1) * (fwd + bwd)
+    it = earlier + fwd + bwd + slowed + exposed + opt
+    busy = 100.0 * (earlier + fwd + bwd + opt + exposed) / it
     if total:
         # A rank that reaches the first bucket early waits there for the last: compare
         # reports the busiest rank's sync, so that wait is in it; the iteration (the
@@ -281,7 +289,7 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
         exposed += waiting
     info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / 1e3,
             "buckets": len(bks), **({"backward_slowed_by_sync_ms": slowed / 1e3} if slowed else {}),
-            "per_device_batch": b}
+            "per_device_batch": b, **_micro(s)}
     # compare's tensor bytes: parameters, gradients, DDP's bucket copies of them
     # (gradient_as_bucket_view=False; the reducer holds them in every DDP mode), optimizer state.
     held = {"parameters": st.param_bytes, "gathered": 0, "gradients": st.param_bytes,
@@ -310,18 +318,25 @@ def predict_dp(s: Setup, prof: Profile, steps: Steps) -> dict:
     replicate = lat + (st.param_bytes + st.buffers_bytes) / per_us  # broadcast from device 0, every iteration
     gather = (p - 1) / p * batch_out / per_us
     reduce = lat + st.param_bytes / per_us + st.param_bytes * 3 / (prof.memory_bandwidth_gbps * 1e3)
-    comm = scatter + replicate + gather + reduce  # all on the compute stream: none hidden
-    it = comm + fwd + bwd + opt
+    # Every micro-step scatters, replicates, gathers and reduces again; all on the compute stream.
+    comm = s.accum_steps * (scatter + replicate + gather + reduce)
+    it = comm + s.accum_steps * (fwd + bwd) + opt
     # Every device: a replica's parameters and buffers (device 0's are the module's own), the step's peak
     # of everything else, its inputs; device 0 also the leaf gradients the replicas' are reduced into, the
     # whole batch it scatters and the outputs it gathers.
     replica = st.param_bytes + st.buffers_bytes + st.peak_bytes + st.input_bytes
     main = replica + st.param_bytes + batch_in + batch_out
-    busy = 100.0 * (replicate + fwd + bwd + reduce) / it  # the others idle while device 0 scatters, gathers, steps
+    # the others idle while device 0 scatters, gathers, steps
+    busy = 100.0 * s.accum_steps * (replicate + fwd + bwd + reduce) / it
     return _row("dp", s, it, [main] + [replica] * (p - 1), [100.0] + [busy] * (p - 1), comm, comm,
                 {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / 1e3,
                  "scatter_ms": scatter / 1e3, "replicate_ms": replicate / 1e3, "gather_ms": gather / 1e3,
-                 "reduce_ms": reduce / 1e3, "per_device_batch": b})
+                 "reduce_ms": reduce / 1e3, "per_device_batch": b, **_micro(s)})
+
+
+def _micro(s: Setup) -> dict:
+    """The breakdown's note of accumulation: forward_ms and backward_ms are then one micro-step's."""
+    return {"micro_steps": s.accum_steps, "micro_batch": s.micro_batch()} if s.accum_steps > 1 else {}
 
 
 STATE_PER_PARAM_BYTE = {"sgd": 0.0, "adamw": 2.0}  # AdamW keeps exp_avg and exp_avg_sq, each a parameter's size

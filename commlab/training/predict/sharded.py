@@ -83,8 +83,10 @@ class Held:
         return at
 
 
-def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us) -> tuple[float, dict, float, dict]:
-    """One FSDP step: (iteration µs, tensor bytes at the peak, bytes communicated, schedule facts)."""
+def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us,
+          accum: int = 1) -> tuple[float, dict, float, dict]:
+    """One FSDP step of `accum` micro-steps (t: one micro-step's op times): (iteration µs,
+    tensor bytes at the peak, bytes communicated, schedule facts)."""
     algorithm, reshard = fsdp_algorithm(mode), mode != "fsdp:noreshard"
     blocks, root = [u for u in st.units[:-1] if u.params], st.units[-1]
     size = [sum(st.params[i] for i in u.params) for u in blocks]
@@ -109,89 +111,98 @@ def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us) -> t
     held.add("parameters", st.param_bytes / p, -1.0)
     held.add("optimizer_state", state / p, -1.0)
     held.add("gradients", st.param_bytes / p, -1.0, 0.0)  # the last step's shards, until zero_grad
-    # Forward: the root first, then each block gathered before its first op.
-    if root_bytes:
-        _, end = tl.collective(0.0, ag(root_bytes))
-        comm += root_bytes
-        tl.wait(end)
-    gathered_end = [0.0] * len(blocks)  # when each block's forward-gathered parameters are freed
-    ag_fwd: dict[int, tuple[float, float]] = {}  # block -> (issued, done)
-    prefetch = prof.overlap  # FSDP2 issues the next block's all-gather early only where it has streams
+    grads_from: dict[int, float] = {}  # a unit's full gradients, from its first micro-step's backward
+    rs_end: dict[int, float] = {}
     starts = {u.fwd[0]: k for k, u in enumerate(blocks)}
     ends = {u.fwd[1]: k for k, u in enumerate(blocks)}
-
-    def gather_fwd(k: int, at: float) -> None:
-        if k < len(blocks) and k not in ag_fwd:
-            issued = at
-            ag_fwd[k] = (issued, tl.collective(issued, ag(size[k]))[1])
-
-    for i in range(n_fwd):
-        if i in ends:
-            gathered_end[ends[i]] = tl.compute
-        if i in starts:
-            k = starts[i]
-            gather_fwd(k, tl.compute)
-            tl.wait(ag_fwd[k][1])
-            if prefetch:
-                gather_fwd(k + 1, tl.compute)
-        tl.run(t[i])
-    for k in range(len(blocks)):
-        comm += size[k]
-        if not gathered_end[k]:
-            gathered_end[k] = tl.compute
-    fwd_done = tl.compute
-    # Backward: blocks in reverse; each needs its parameters (gathered again if resharded)
-    # before its first op, the previous block's gathered at its start (prefetch).
+    prefetch = prof.overlap  # FSDP2 issues the next block's all-gather early only where it has streams
     bwd_start = {k: (ready[k + 1] if k + 1 < len(blocks) else n_fwd) for k in range(len(blocks))}
-    order = sorted(range(len(blocks)), key=lambda k: bwd_start[k])
-    ag_bwd: dict[int, tuple[float, float]] = {}
-    at_op = {}
-    for k in order:
+    at_op: dict[int, list[int]] = {}
+    for k in sorted(range(len(blocks)), key=lambda k: bwd_start[k]):
         at_op.setdefault(bwd_start[k], []).append(k)
-    done_at = {}
+    done_at: dict[int, list[int]] = {}
     for k in range(len(blocks)):
         done_at.setdefault(ready[k], []).append(k)
-    rs_end: dict[int, float] = {}
-    begun: dict[int, float] = {}
+    for micro in range(accum):
+        # Accumulation: every micro-step gathers again (FSDP2 reshards after backward), only
+        # the last reduce-scatters; the full gradients stay until then (set_requires_gradient_sync).
+        last = micro == accum - 1
+        step_start = tl.compute
+        # Forward: the root first, then each block gathered before its first op.
+        if root_bytes:
+            _, end = tl.collective(tl.compute, ag(root_bytes))
+            comm += root_bytes
+            tl.wait(end)
+        gathered_end = [0.0] * len(blocks)  # when each block's forward-gathered parameters are freed
+        ag_fwd: dict[int, tuple[float, float]] = {}  # block -> (issued, done)
 
-    def gather_bwd(k: int, at: float) -> None:
-        if reshard and 0 <= k and k not in ag_bwd:
-            ag_bwd[k] = (at, tl.collective(at, ag(size[k]))[1])
+        def gather_fwd(k: int, at: float) -> None:
+            if k < len(blocks) and k not in ag_fwd:
+                ag_fwd[k] = (at, tl.collective(at, ag(size[k]))[1])
 
-    def finish(k: int) -> None:  # a block's gradients complete: reduce-scatter, reshard
-        _, end = tl.collective(tl.compute, rs(size[k]))
-        rs_end[k] = end
-        held.add("gradients", size[k], begun[k], end)  # the unit's full gradients until reduced
-        held.add("gradients", size[k] / p, end)
-        if reshard:
-            held.add("gathered", size[k], ag_bwd[k][0], tl.compute)
-            held.add("gathered", size[k], ag_fwd[k][0], gathered_end[k])
-        else:
-            held.add("gathered", size[k], ag_fwd[k][0], tl.compute)
+        for i in range(n_fwd):
+            if i in ends:
+                gathered_end[ends[i]] = tl.compute
+            if i in starts:
+                k = starts[i]
+                gather_fwd(k, tl.compute)
+                tl.wait(ag_fwd[k][1])
+                if prefetch:
+                    gather_fwd(k + 1, tl.compute)
+            tl.run(t[i])
+        for k in range(len(blocks)):
+            comm += size[k]
+            if not gathered_end[k]:
+                gathered_end[k] = tl.compute
+        fwd_done = tl.compute
+        # Backward: blocks in reverse; each needs its parameters (gathered again if resharded)
+        # before its first op, the previous block's gathered at its start (prefetch).
+        ag_bwd: dict[int, tuple[float, float]] = {}
+        begun: dict[int, float] = {}
 
-    for i in range(n_fwd, n_bwd + 1):
-        for k in done_at.get(i, []):
-            finish(k)
-        if i == n_bwd:
-            break
-        for k in at_op.get(i, []):
-            gather_bwd(k, tl.compute)
-            tl.wait(ag_bwd[k][1] if reshard else 0.0)
-            begun[k] = tl.compute
-            gather_bwd(k - 1, tl.compute)
-        tl.run(t[i])
-    for k in range(len(blocks)):  # blocks whose gradients the trace never saw complete
-        if k not in rs_end:
-            begun.setdefault(k, tl.compute)
-            finish(k)
-    if root_bytes:
-        _, end = tl.collective(tl.compute, rs(root_bytes))
-        rs_end[-1] = end
-        held.add("gathered", root_bytes, 0.0, tl.compute)
-        held.add("gradients", root_bytes, fwd_done, end)
-        held.add("gradients", root_bytes / p, end)
-        comm += root_bytes
-    comm += 2 * sum(size) if reshard else sum(size)  # backward's gathers (resharded) and the reduce-scatters
+        def gather_bwd(k: int, at: float) -> None:
+            if reshard and 0 <= k and k not in ag_bwd:
+                ag_bwd[k] = (at, tl.collective(at, ag(size[k]))[1])
+
+        def finish(k: int) -> None:  # a block's gradients complete: reduce-scatter (last micro-step), reshard
+            grads_from.setdefault(k, begun[k])
+            if last:
+                _, end = tl.collective(tl.compute, rs(size[k]))
+                rs_end[k] = end
+                held.add("gradients", size[k], grads_from[k], end)  # the unit's full gradients until reduced
+                held.add("gradients", size[k] / p, end)
+            if reshard:
+                held.add("gathered", size[k], ag_bwd[k][0], tl.compute)
+                held.add("gathered", size[k], ag_fwd[k][0], gathered_end[k])
+            else:
+                held.add("gathered", size[k], ag_fwd[k][0], tl.compute)
+
+        for i in range(n_fwd, n_bwd + 1):
+            for k in done_at.get(i, []):
+                finish(k)
+            if i == n_bwd:
+                break
+            for k in at_op.get(i, []):
+                gather_bwd(k, tl.compute)
+                tl.wait(ag_bwd[k][1] if reshard else 0.0)
+                begun[k] = tl.compute
+                gather_bwd(k - 1, tl.compute)
+            tl.run(t[i])
+        for k in range(len(blocks)):  # blocks whose gradients the trace never saw complete
+            if k not in begun:
+                begun[k] = tl.compute
+                finish(k)
+        comm += sum(size) if reshard else 0  # backward's gathers
+        if root_bytes:
+            grads_from.setdefault(-1, fwd_done)
+            held.add("gathered", root_bytes, step_start, tl.compute)
+            if last:
+                _, end = tl.collective(tl.compute, rs(root_bytes))
+                rs_end[-1] = end
+                held.add("gradients", root_bytes, grads_from[-1], end)
+                held.add("gradients", root_bytes / p, end)
+                comm += root_bytes
+    comm += sum(size)  # the reduce-scatters
     tl.wait(max(rs_end.values(), default=0.0))  # FSDP2 waits for every reduce-scatter before the step
     opt = sum(x for x, o in zip(t, st.ops) if o.phase == "opt") / p  # the optimizer steps the shards
     tl.run(opt)
@@ -212,7 +223,7 @@ def predict(mode: str, s, prof, steps) -> dict:
                 raise ValueError(f"no {family} algorithm {alg!r}")
     b, st, t, fwd, bwd, opt = M._step_times(s, prof, steps)
     state = M.state_bytes(st)
-    compute = fwd + bwd
+    compute = s.accum_steps * (fwd + bwd)
     if mode == "zero1":
         ddp = M.predict_ddp("ddp", s, prof, steps)
         ddp_it, ddp_total, ddp_exposed = (ddp["iter_ms"]["median"] * 1e3, ddp["grad_sync_ms"]["total"] * 1e3,
@@ -226,15 +237,15 @@ def predict(mode: str, s, prof, steps) -> dict:
                 "optimizer_state": state / p, "buckets": st.param_bytes}
         comm = 2 * st.param_bytes
         info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / p / 1e3,
-                "broadcast_ms": bcast / 1e3, "per_device_batch": b}
+                "broadcast_ms": bcast / 1e3, "per_device_batch": b, **M._micro(s)}
     else:
-        it, held, comm, facts = _fsdp(mode, p, st, t, prof, M.collective_us)
+        it, held, comm, facts = _fsdp(mode, p, st, t, prof, M.collective_us, s.accum_steps)
         total = facts.pop("comm_us")
         exposed = min(total, it - compute - facts["optimizer_ms"] * 1e3)  # the copies are not the collectives'
         # As predict_ddp: a rank that reaches a collective first waits there for the last.
         waiting = prof.arrival_skew_ms * 1e3
         total, exposed = total + waiting, exposed + waiting
-        info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, **facts, "per_device_batch": b}
+        info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, **facts, "per_device_batch": b, **M._micro(s)}
     busy = 100.0  # as predict_ddp's: NVML counts a collective's kernels as busy, and nothing else waits
     if prof.device == "cpu":
         return M._row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm, waiting)
