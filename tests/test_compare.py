@@ -135,50 +135,50 @@ def test_the_sharded_modes_run_out_of_emulated_memory_too(mode):
     assert cli.run_mode(mode, 2, dict(args, mem_limit_mb=None))["status"] == "ok"
 
 
-def test_sharded_modes_accumulate_and_autocast_as_ddp_does():
-    """--accum-steps and --amp bf16 in the sharded modes (refused before): zero1 skips
-    DDP's reduction in all but the last micro-step, FSDP2 its reduce-scatter; every mode
-    ends with DDP's parameters. fp16 (a GradScaler over sharded gradients) and
-    --checkpoint are still refused, with the reason."""
+def test_sharded_modes_accumulate_autocast_and_checkpoint_as_ddp_does():
+    """--accum-steps, --amp bf16 and fp16, --checkpoint in the sharded modes (refused
+    before): zero1 skips DDP's reduction in all but the last micro-step, FSDP2 its
+    reduce-scatter; fp16 scales the loss (FSDP through the sharded scaler, which agrees
+    on an overflow across the shards); checkpointing recomputes the whole model in
+    backward. Every mode ends with DDP's parameters, and commlab.predict with the same
+    flags puts the same bytes on the wire and each rank's tensor bytes within 10 %."""
+    from commlab.training import workloads
     from commlab.training.compare import cli
+    from commlab.training.predict import model as M
 
     args = {"device": "cpu", "share_gpu": False, "timeout": 60.0, "mem_limit_mb": None, "model": "transformer",
             "width": 64, "depth": 2, "input_shape": None, "checkpoint": False, "bucket_cap_mb": 25.0, "lr": 1e-3,
             "optimizer": "adamw", "batch_size": 8, "accum_steps": 2, "amp": "bf16", "warmup": 1, "iters": 2,
             "mode_timeout": 240.0, "threads": 1, "return_params": True}
-    rows = {m: cli.run_mode(m, 2, args) for m in ("ddp", "zero1", "fsdp:shm")}
-    for m, r in rows.items():
-        assert r["status"] == "ok", r
-    ref = rows["ddp"]["params"]
-    for m in ("zero1", "fsdp:shm"):
-        assert max(abs(a - b) for a, b in zip(rows[m]["params"], ref)) < 1e-4, m
-    assert rows["fsdp:shm"]["final_loss"] == pytest.approx(rows["ddp"]["final_loss"], rel=1e-3)
-    # Per step: ZeRO-1 reduces once (then broadcasts), as without accumulation; FSDP gathers
-    # every unit in both micro-steps' forward and backward and reduce-scatters once.
-    from commlab.training import workloads
-
     n = sum(t.numel() for t in workloads.build("transformer", width=64, depth=2).model.parameters())
-    assert rows["zero1"]["comm_mb"] * 2**20 == pytest.approx(2 * 4 * n, rel=0.05)
-    assert rows["fsdp:shm"]["comm_mb"] * 2**20 == pytest.approx(5 * 4 * n, rel=0.05)
-    # commlab.predict with the same --accum-steps: the same bytes on the wire, each rank's
-    # tensor bytes within 10 % (FSDP's full gradients held from the first micro-step).
-    from commlab.training.predict import model as M
-
     fit = {"alpha_us": 50.0, "beta_us_per_byte": 1e-3, "gamma_us_per_byte": 1e-4}
     host = M.Profile(name="t", description="", device="cpu", memory_bytes=0.0, memory_bandwidth_gbps=0.0,
                      peak_tflops={}, link={}, compute_ms=100.0, overlap=False,
                      fits={c: {"builtin": fit, "shm": fit} for c in ("all_reduce", "all_gather", "reduce_scatter",
                                                                      "broadcast")})
-    setup = M.Setup(model="transformer", world=2, batch_size=8, width=64, depth=2, optimizer="adamw", amp="bf16",
-                    accum_steps=2)
-    for r in M.predict(list(rows), setup, host):
-        got = rows[r["mode"]]
-        assert r["comm_mb"] == pytest.approx(got["comm_mb"], rel=0.01), r["mode"]
-        assert r["tensor_mb"] == pytest.approx(got["tensor_mb"], rel=0.10), (r["mode"], r["tensor_breakdown_mb"],
-                                                                             got["tensor_breakdown_mb"])
-    for bad in ({"amp": "fp16"}, {"checkpoint": True}):
-        r = cli.run_mode("fsdp", 2, dict(args, **bad))
-        assert r["status"] == "unavailable" and "yet" in r["reason"], r
+    for flags, modes in (({}, ("ddp", "zero1", "fsdp:shm")),
+                         ({"amp": "fp16", "checkpoint": True}, ("ddp", "zero1", "fsdp", "fsdp:noreshard"))):
+        run = dict(args, **flags)
+        rows = {m: cli.run_mode(m, 2, run) for m in modes}
+        for m, r in rows.items():
+            assert r["status"] == "ok", (flags, r)
+        ref = rows["ddp"]["params"]
+        for m in modes[1:]:
+            assert max(abs(a - b) for a, b in zip(rows[m]["params"], ref)) < 1e-4, (flags, m)
+            assert rows[m]["final_loss"] == pytest.approx(rows["ddp"]["final_loss"], rel=1e-3), (flags, m)
+        # Per step: ZeRO-1 reduces once (then broadcasts), as without accumulation; FSDP gathers
+        # every unit in both micro-steps' forward and backward (once without resharding) and
+        # reduce-scatters once; checkpointing's recomputation gathers nothing more.
+        for m, k in (("zero1", 2), ("fsdp", 5), ("fsdp:shm", 5), ("fsdp:noreshard", 3)):
+            if m in rows:
+                assert rows[m]["comm_mb"] * 2**20 == pytest.approx(k * 4 * n, rel=0.05), (flags, m)
+        setup = M.Setup(model="transformer", world=2, batch_size=8, width=64, depth=2, optimizer="adamw",
+                        amp=run["amp"], checkpoint=run["checkpoint"], accum_steps=2)
+        for r in M.predict(list(rows), setup, host):
+            got = rows[r["mode"]]
+            assert r["comm_mb"] == pytest.approx(got["comm_mb"], rel=0.01), (flags, r["mode"])
+            assert r["tensor_mb"] == pytest.approx(got["tensor_mb"], rel=0.10), (
+                flags, r["mode"], r["tensor_breakdown_mb"], got["tensor_breakdown_mb"])
 
 
 def test_sharded_modes_train_alike_and_hold_what_the_formulas_say():

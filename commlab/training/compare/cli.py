@@ -123,11 +123,6 @@ def run_mode(mode: str, world: int, args: dict) -> dict:
             or mode in _backend_modes(device):
         return run_ddp_mode(mode, world, args)
     if mode in _sharded_modes(device):
-        unsupported = [f for f, on in (("--amp fp16", args["amp"] == "fp16"), ("--checkpoint", args["checkpoint"]),
-                                       ) if on]  # fp16 needs a GradScaler that knows sharded gradients
-        if unsupported:
-            return {"mode": mode, "status": "unavailable",
-                    "reason": f"the sharded modes do not take {', '.join(unsupported)} yet"}
         return run_ddp_mode(mode, world, args, sharded.sharded_rank)
     return {"mode": mode, "status": "unavailable",
             "reason": f"no such mode for {device} (modes: {', '.join(all_modes(device))})"}

@@ -8,6 +8,10 @@
   parameters stay gathered from forward to backward); `fsdp:<algorithm>` FSDP's
   all-gathers and reduce-scatters through commlab's families (commlab.training.fsdp).
 
+Each takes compare's --accum-steps, --amp (fp16 through a loss scaler: FSDP's sharded
+one, which agrees on an overflow across the shards) and --checkpoint (the whole model
+recomputed in backward, as in the DDP modes).
+
 Beside the process's peak RSS (on CPU the interpreter's ~700 MB hides what sharding
 saves), each rank reports the peak of the tensor bytes it holds — parameters (its own,
 or its shards), FSDP's gathered parameters while a unit is unsharded, gradients,
@@ -21,6 +25,7 @@ import contextlib
 import datetime
 import resource
 import time
+import warnings
 
 import psutil
 import torch
@@ -29,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commlab.measure import trace
 from commlab.training import fsdp, hooks, workloads
-from commlab.training.compare.workers import emulate_memory_limit, timed_default_hook
+from commlab.training.compare.workers import emulate_memory_limit, optimizer_step, timed_default_hook
 from commlab.training.predict.sharded import fsdp_algorithm
 
 
@@ -168,7 +173,8 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     if mode == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        net = DDP(model, bucket_cap_mb=args["bucket_cap_mb"])
+        # Checkpointing inside what DDP wraps, as ddp_rank does (DDP's forward must run).
+        net = DDP(workloads.Checkpointed(model) if args["checkpoint"] else model, bucket_cap_mb=args["bucket_cap_mb"])
         buckets_state = hooks.BucketStats()
         net.register_comm_hook(buckets_state, timed_default_hook)
         kind = torch.optim.AdamW if args.get("optimizer", "sgd") == "adamw" else torch.optim.SGD
@@ -196,7 +202,9 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         algorithm = mode.split(":", 1)[1] if mode.startswith("fsdp:") and mode != "fsdp:noreshard" else None
         fsdp.use(model, algorithm, comm)
-        net = model
+        # The whole sharded model recomputed in backward, as --checkpoint does in every mode:
+        # FSDP2's hooks gather each unit again for the recomputation.
+        net = workloads.Checkpointed(model) if args["checkpoint"] else model
         opt = optimizer(model.parameters(), args)
     per_rank = max(args["batch_size"] // world, 1)
     proc = psutil.Process()
@@ -205,14 +213,23 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
 
     accum = args.get("accum_steps", 1)
     micro = max(per_rank // accum, 1)
-    amp_dtype = {"bf16": torch.bfloat16}.get(args.get("amp"))
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.get("amp"))
+    scaler = None
+    if args.get("amp") == "fp16":
+        # fp16 needs loss scaling; FSDP's gradients are shards, so a rank alone cannot tell
+        # whether any gradient overflowed: the sharded scaler all-reduces that verdict.
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = torch.amp.GradScaler("cpu") if mode == "zero1" else ShardedGradScaler("cpu")
+        # Its one-element found_inf meets DTensor gradients and is replicated, as it should be: said once per call.
+        warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1", category=UserWarning)
 
     def reducing(on: bool):
         """Gradient accumulation: no communication before the last micro-step (DDP's
         no_sync for zero1; FSDP2 keeps the unsharded gradients until then)."""
         if mode == "zero1":
             return contextlib.nullcontext() if on else net.no_sync()
-        net.set_requires_gradient_sync(on)
+        model.set_requires_gradient_sync(on)
         return contextlib.nullcontext()
 
     def step(i):
@@ -226,11 +243,11 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
                 with torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
                     loss = wl.loss(net(x).float(), y) / accum
                 t1 = time.perf_counter()
-                loss.backward()
+                (scaler.scale(loss) if scaler else loss).backward()
                 spans.extend((("forward", t0, t1), ("backward", t1, time.perf_counter())))
             total += float(loss.detach())
         t2 = time.perf_counter()
-        opt.step()
+        optimizer_step(opt, scaler)
         spans.append(("optimizer", t2, time.perf_counter()))
         return total
 
