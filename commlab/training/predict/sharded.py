@@ -251,6 +251,9 @@ def predict(mode: str, s, prof, steps) -> dict:
         return M._row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm, waiting)
     # On a GPU: what the step itself allocates beyond parameters and gradients
     # (activations, temporaries) and the input, beside the tensors held.
-    mem = sum(held.values()) + st.activation_bytes + st.input_bytes + st.buffers_bytes
+    # Activations and temporaries: what forward saves, or more where backward holds more at
+    # once (checkpointing recomputes them there): the traced peak less the full gradients it counted.
+    acts = max(st.activation_bytes, st.peak_bytes - st.param_bytes)
+    mem = sum(held.values()) + acts + st.input_bytes + st.buffers_bytes
     return M._row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm, waiting)
 
