@@ -98,6 +98,38 @@ def test_advise_sharding_cli_predicts_a_gpu_profile():
         assert mode in proc.stdout
 
 
+def test_where_nothing_fits_advise_predicts_accumulation_and_recomputation_at_the_same_batch():
+    """"Nothing fits" said only "checkpoint activations, mixed precision or a smaller batch",
+    with no number behind it. Now every mode is predicted again with --checkpoint and with
+    the global batch split into 2, 4, ... micro-steps: the verdict is the fastest that fits,
+    its figures those commlab.predict gives for the same flags; where even one sample per
+    device does not fit, the least it could take is named."""
+    from commlab.training.predict import model as M
+
+    got = {}
+    for limit in (120, 60, 10):
+        verdict, findings, rows = advise.predicted_sharding("rtx4090-pcie4", 4, "transformer", 256, 256, 2, None, limit)
+        assert all(max(r["peak_memory_mb"]) > limit for r in rows)  # nothing fits as asked
+        got[limit] = verdict, findings[-1]
+    prof = M.load_profile("rtx4090-pcie4")
+    for limit in (120, 60):
+        verdict, f = got[limit]
+        mode = next(k for k, name in advise.SHARDING.items() if verdict.startswith(name + " with "))
+        accum = int(verdict.split("--accum-steps ")[1]) if "--accum-steps" in verdict else 1
+        s = M.Setup("transformer", world=4, batch_size=256, width=256, depth=2, optimizer="adamw",
+                    checkpoint="--checkpoint" in verdict, accum_steps=accum)
+        again = M.predict([mode], s, prof)[0]
+        assert max(again["peak_memory_mb"]) <= limit and f"{max(again['peak_memory_mb']):.0f} MB" in f.reason
+        assert f"{again['iter_ms']['median']:.1f} ms per iteration" in f.reason
+        # The fastest that fits: no option tried is faster and fits.
+        for o in advise.remedies(M.Setup("transformer", world=4, batch_size=256, width=256, depth=2,
+                                         optimizer="adamw"), prof, limit, "cuda"):
+            assert not (o["fits"] and o["ms"] < again["iter_ms"]["median"] - 1e-9), o
+    assert got[60][0] != got[120][0]  # a tighter limit needs smaller micro-steps
+    verdict, f = got[10]
+    assert verdict == "nothing fits" and f.rule == "not even recomputed and accumulated" and "micro-batch 1" in f.reason
+
+
 @pytest.mark.slow
 def test_doctor_cli_smoke_tests_every_algorithm():
     import commlab

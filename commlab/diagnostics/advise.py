@@ -190,6 +190,37 @@ def sharding(rows: list[dict], limit_mb: float | None, device: str = "cuda") -> 
     return SHARDING[best], out
 
 
+def _flags(checkpoint: bool, accum: int) -> str:
+    return " ".join(f for f, on in (("--checkpoint", checkpoint), (f"--accum-steps {accum}", accum > 1)) if on)
+
+
+def remedies(s, prof, limit_mb: float, device: str) -> list[dict]:
+    """The same global batch made to fit by what changes no result (up to rounding):
+    activations recomputed in backward (--checkpoint) and the batch split into micro-steps
+    (--accum-steps, powers of two down to one sample per device). Per option, each mode
+    predicted: {"flags", "mode", "ms", "mb", "fits"}."""
+    from dataclasses import replace
+
+    from commlab.training.predict import model as M
+
+    per_device = max(1, s.batch_size // s.world)
+    out = []
+    for checkpoint in (False, True):
+        steps = None
+        accum = 1
+        while accum <= per_device:
+            if checkpoint or accum > 1:
+                option = replace(s, checkpoint=checkpoint, accum_steps=accum)
+                steps = steps or M.Steps(replace(option, accum_steps=1))  # traced once; micro-steps extrapolated
+                for r in M.predict(list(SHARDING), option, prof, steps):
+                    if r.get("status") == "ok":
+                        mb = _memory_mb(dict(r, device=device))
+                        out.append({"flags": _flags(checkpoint, accum), "mode": r["mode"], "ms": r["iter_ms"]["median"],
+                                    "mb": mb, "fits": mb <= limit_mb, "micro": option.micro_batch()})
+            accum *= 2
+    return out
+
+
 def predicted_sharding(hardware: str, gpus: int, model: str, batch_size: int, width: int = 1024, depth: int = 4,
                        amp: str | None = None, mem_limit_mb: float | None = None) -> tuple[str, list[Finding], list]:
     from commlab.training.predict import model as M
@@ -200,6 +231,32 @@ def predicted_sharding(hardware: str, gpus: int, model: str, batch_size: int, wi
     rows = M.predict(list(SHARDING), s, prof)
     limit = mem_limit_mb or (prof.memory_bytes / 2**20 if prof.device == "cuda" else None)
     verdict, findings = sharding(rows, limit, prof.device)
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if limit is None or all(_memory_mb(dict(r, device=prof.device)) <= limit for r in ok):
+        return verdict, findings, rows
+    # Some mode does not fit as asked: would checkpointing or accumulation make a faster one fit?
+    plain = min((r["iter_ms"]["median"] for r in ok if _memory_mb(dict(r, device=prof.device)) <= limit),
+                default=None)
+    options = remedies(s, prof, limit, prof.device)
+    fitting = [o for o in options if o["fits"]]
+    if not fitting:
+        if verdict == "nothing fits":
+            least = min(options, key=lambda o: o["mb"], default=None)
+            if least:
+                findings.append(Finding("nothing fits", "not even recomputed and accumulated",
+                                        f"the least is {SHARDING[least['mode']]} with {least['flags']} (micro-batch "
+                                        f"{least['micro']} per device): {least['mb']:.0f} MB of {limit:.0f}: shard over "
+                                        f"more devices or train in lower precision"))
+        return verdict, findings, rows
+    best = min(fitting, key=lambda o: o["ms"])
+    if plain is None or best["ms"] < plain:
+        then = (f"against {plain:.1f} ms for {verdict} as asked" if plain is not None
+                else "where nothing fits as asked")
+        findings.append(Finding(f"{SHARDING[best['mode']]} with {best['flags']}",
+                                "recomputed or accumulated, the same global batch, faster",
+                                f"{best['mb']:.0f} MB per device of {limit:.0f} (micro-batch {best['micro']} per "
+                                f"device), {best['ms']:.1f} ms per iteration, {then}"))
+        verdict = f"{SHARDING[best['mode']]} with {best['flags']}"
     return verdict, findings, rows
 
 
