@@ -54,8 +54,14 @@ class TransformerStack(nn.Module):
             for _ in range(layers)])
         self.head = nn.Linear(d_model, out_features)
 
+    checkpointed = False  # set by Checkpointed: each block's activations recomputed in backward
+
     def forward(self, x):
-        return self.head(self.blocks(x).mean(dim=1))
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return self.head(x.mean(dim=1))
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -68,16 +74,22 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 class Checkpointed(nn.Module):
     """Gradient checkpointing around a model: activations are recomputed in backward
-    (the seed's memory tip). Sequential models are cut into two segments; others are
-    checkpointed whole."""
+    (the seed's memory tip). A transformer's blocks are checkpointed one by one (as
+    training code does: backward then holds one block's activations at a time);
+    Sequential models are cut into two segments; others are checkpointed whole, which
+    recomputes every activation at once in backward and lowers no peak."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
+        if isinstance(inner, TransformerStack):
+            inner.checkpointed = True
 
     def forward(self, x):
         from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
+        if isinstance(self.inner, TransformerStack):
+            return self.inner(x)
         if isinstance(self.inner, nn.Sequential) and len(self.inner) >= 2:
             return checkpoint_sequential(self.inner, 2, x, use_reentrant=False)
         return checkpoint(self.inner, x, use_reentrant=False)

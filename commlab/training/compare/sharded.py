@@ -9,8 +9,8 @@
   all-gathers and reduce-scatters through commlab's families (commlab.training.fsdp).
 
 Each takes compare's --accum-steps, --amp (fp16 through a loss scaler: FSDP's sharded
-one, which agrees on an overflow across the shards) and --checkpoint (the whole model
-recomputed in backward, as in the DDP modes).
+one, which agrees on an overflow across the shards) and --checkpoint (activations
+recomputed in backward as in the DDP modes: workloads.Checkpointed).
 
 Beside the process's peak RSS (on CPU the interpreter's ~700 MB hides what sharding
 saves), each rank reports the peak of the tensor bytes it holds — parameters (its own,
@@ -202,8 +202,8 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         algorithm = mode.split(":", 1)[1] if mode.startswith("fsdp:") and mode != "fsdp:noreshard" else None
         fsdp.use(model, algorithm, comm)
-        # The whole sharded model recomputed in backward, as --checkpoint does in every mode:
-        # FSDP2's hooks gather each unit again for the recomputation.
+        # Recomputed in backward as --checkpoint does in every mode; a block's recomputation
+        # runs after its pre-backward unshard, so FSDP2 gathers nothing more for it.
         net = workloads.Checkpointed(model) if args["checkpoint"] else model
         opt = optimizer(model.parameters(), args)
     per_rank = max(args["batch_size"] // world, 1)
