@@ -103,11 +103,12 @@ def test_where_nothing_fits_advise_predicts_accumulation_and_recomputation_at_th
     with no number behind it. Now every mode is predicted again with --checkpoint and with
     the global batch split into 2, 4, ... micro-steps: the verdict is the fastest that fits,
     its figures those commlab.predict gives for the same flags; where even one sample per
-    device does not fit, the least it could take is named."""
+    device does not fit, the least it could take is named (where the parameters, gradients
+    and optimizer state alone do not fit, which neither option shrinks, nothing is tried)."""
     from commlab.training.predict import model as M
 
     got = {}
-    for limit in (120, 60, 10):
+    for limit in (120, 60, 16, 10):
         verdict, findings, rows = advise.predicted_sharding("rtx4090-pcie4", 4, "transformer", 256, 256, 2, None, limit)
         assert all(max(r["peak_memory_mb"]) > limit for r in rows)  # nothing fits as asked
         got[limit] = verdict, findings[-1]
@@ -126,8 +127,10 @@ def test_where_nothing_fits_advise_predicts_accumulation_and_recomputation_at_th
                                          optimizer="adamw"), prof, limit, "cuda"):
             assert not (o["fits"] and o["ms"] < again["iter_ms"]["median"] - 1e-9), o
     assert got[60][0] != got[120][0]  # a tighter limit needs smaller micro-steps
-    verdict, f = got[10]
+    verdict, f = got[16]  # the tensors fit, not even one sample per device beside them
     assert verdict == "nothing fits" and f.rule == "not even recomputed and accumulated" and "micro-batch 1" in f.reason
+    verdict, f = got[10]  # not even the tensors: nothing is predicted again
+    assert verdict == "nothing fits" and f.rule == "not even recomputed and accumulated" and "alone are" in f.reason
 
 
 @pytest.mark.slow

@@ -194,11 +194,11 @@ def _flags(checkpoint: bool, accum: int) -> str:
     return " ".join(f for f, on in (("--checkpoint", checkpoint), (f"--accum-steps {accum}", accum > 1)) if on)
 
 
-def remedies(s, prof, limit_mb: float, device: str) -> list[dict]:
+def remedies(s, prof, limit_mb: float, device: str, modes: list[str] | None = None) -> list[dict]:
     """The same global batch made to fit by what changes no result (up to rounding):
     activations recomputed in backward (--checkpoint) and the batch split into micro-steps
     (--accum-steps, powers of two down to one sample per device). Per option, each mode
-    predicted: {"flags", "mode", "ms", "mb", "fits"}."""
+    (default: all four) predicted: {"flags", "mode", "ms", "mb", "fits", "micro"}."""
     from dataclasses import replace
 
     from commlab.training.predict import model as M
@@ -212,7 +212,7 @@ def remedies(s, prof, limit_mb: float, device: str) -> list[dict]:
             if checkpoint or accum > 1:
                 option = replace(s, checkpoint=checkpoint, accum_steps=accum)
                 steps = steps or M.Steps(replace(option, accum_steps=1))  # traced once; micro-steps extrapolated
-                for r in M.predict(list(SHARDING), option, prof, steps):
+                for r in M.predict(modes or list(SHARDING), option, prof, steps):
                     if r.get("status") == "ok":
                         mb = _memory_mb(dict(r, device=device))
                         out.append({"flags": _flags(checkpoint, accum), "mode": r["mode"], "ms": r["iter_ms"]["median"],
@@ -237,7 +237,20 @@ def predicted_sharding(hardware: str, gpus: int, model: str, batch_size: int, wi
     # Some mode does not fit as asked: would checkpointing or accumulation make a faster one fit?
     plain = min((r["iter_ms"]["median"] for r in ok if _memory_mb(dict(r, device=prof.device)) <= limit),
                 default=None)
-    options = remedies(s, prof, limit, prof.device)
+    # Both shrink activations only (accumulation grows FSDP's held gradients) and neither
+    # makes a mode faster than it is as asked: only modes whose tensors fit and that would
+    # beat what already fits are worth predicting again (a 1.3 B model's DDP on a 4090 is not).
+    worth = [r["mode"] for r in ok if (r.get("tensor_mb") or 0.0) <= limit
+             and (plain is None or r["iter_ms"]["median"] < plain)]
+    if not worth:
+        if verdict == "nothing fits":
+            least = min(ok, key=lambda r: r.get("tensor_mb") or 0.0)
+            findings.append(Finding("nothing fits", "not even recomputed and accumulated",
+                                    f"{SHARDING[least['mode']]}'s parameters, gradients and optimizer state alone are "
+                                    f"{least.get('tensor_mb') or 0.0:.0f} MB of {limit:.0f}, which neither shrinks: "
+                                    f"shard over more devices or train in lower precision"))
+        return verdict, findings, rows
+    options = remedies(s, prof, limit, prof.device, worth)
     fitting = [o for o in options if o["fits"]]
     if not fitting:
         if verdict == "nothing fits":
