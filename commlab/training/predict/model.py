@@ -97,9 +97,9 @@ class Setup:
     optimizer: str = "sgd"  # sgd | adamw (compare's --optimizer): what the optimizer step and its state cost
     accum_steps: int = 1  # micro-steps per optimizer step (compare's --accum-steps): each at batch / world / accum
 
-    def micro_batch(self, batch_size: int | None = None) -> int:
+    def micro_batch(self) -> int:
         """A micro-step's per-device batch, as compare splits it."""
-        return max(1, max(1, (batch_size or self.batch_size) // self.world) // max(self.accum_steps, 1))
+        return max(1, max(1, self.batch_size // self.world) // max(self.accum_steps, 1))
 
 
 class Steps:
