@@ -54,14 +54,8 @@ class TransformerStack(nn.Module):
             for _ in range(layers)])
         self.head = nn.Linear(d_model, out_features)
 
-    checkpointed = False  # set by Checkpointed: each block's activations recomputed in backward
-
     def forward(self, x):
-        from torch.utils.checkpoint import checkpoint
-
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
-        return self.head(x.mean(dim=1))
+        return self.head(self.blocks(x).mean(dim=1))
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -72,23 +66,47 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.children() if any(True for _ in m.parameters())]
 
 
+class Recomputed(nn.Module):
+    """One block whose activations backward recomputes: Checkpointed puts it in the block's place."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, *args, use_reentrant=False)
+
+
 class Checkpointed(nn.Module):
     """Gradient checkpointing around a model: activations are recomputed in backward
-    (the seed's memory tip). A transformer's blocks are checkpointed one by one (as
-    training code does: backward then holds one block's activations at a time);
-    Sequential models are cut into two segments; others are checkpointed whole, which
+    (the seed's memory tip), block by block as training code does, so backward holds one
+    block's activations at a time: each of the model's units with a structure of its own
+    (blocks(); a Sequential unit's own blocks: a transformer's layers, a ResNet's
+    bottlenecks) is replaced in place by a Recomputed block. A Sequential of plain layers
+    (the MLP) is cut into two segments; anything else is checkpointed whole, which
     recomputes every activation at once in backward and lowers no peak."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
-        if isinstance(inner, TransformerStack):
-            inner.checkpointed = True
+        targets = []
+        for unit in blocks(inner):
+            for b in (unit.children() if isinstance(unit, nn.Sequential) else [unit]):
+                if any(True for _ in b.children()):  # a layer alone saves what its checkpoint would
+                    targets.append(b)
+        chosen = {id(b) for b in targets}
+        for parent in list(inner.modules()):
+            for name, child in list(parent.named_children()):
+                if id(child) in chosen:
+                    setattr(parent, name, Recomputed(child))
+        self.blockwise = bool(targets)
 
     def forward(self, x):
         from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-        if isinstance(self.inner, TransformerStack):
+        if self.blockwise:
             return self.inner(x)
         if isinstance(self.inner, nn.Sequential) and len(self.inner) >= 2:
             return checkpoint_sequential(self.inner, 2, x, use_reentrant=False)
