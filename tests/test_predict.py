@@ -79,6 +79,37 @@ def test_a_model_without_blocks_is_checkpointed_whole_and_keeps_its_peak():
     assert not ck.blockwise and not any(isinstance(m, workloads.Recomputed) for m in ck.modules())
 
 
+def test_a_recomputed_block_gets_its_keyword_arguments_and_the_same_gradients():
+    from commlab.training import workloads
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, scale=1.0):
+            return self.lin(x) * scale
+
+    class Model(torch.nn.Module):  # a user's model calls its block with a keyword
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x):
+            return self.block(x, scale=2.0)
+
+    torch.manual_seed(0)
+    m, x = Model(), torch.randn(3, 4)
+    want = m(x).sum()
+    want.backward()
+    grad = m.block.lin.weight.grad.clone()
+    m.zero_grad()
+    ck = workloads.Checkpointed(m)
+    got = ck(x).sum()
+    got.backward()
+    assert ck.blockwise and torch.equal(got, want) and torch.equal(m.block.block.lin.weight.grad, grad)
+
+
 @pytest.mark.parametrize("name,cap", [pytest.param("resnet50", 25, marks=needs_torchvision),
                                       pytest.param("resnet50", 5, marks=needs_torchvision), ("transformer", 25), ("mlp", 1)])
 def test_buckets_are_the_ones_ddps_reducer_rebuilds(name, cap):

@@ -73,10 +73,10 @@ class Recomputed(nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, *args):
+    def forward(self, *args, **kwargs):
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(self.block, *args, use_reentrant=False)
+        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
 
 
 class Checkpointed(nn.Module):
