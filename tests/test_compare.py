@@ -139,8 +139,8 @@ def test_sharded_modes_accumulate_autocast_and_checkpoint_as_ddp_does():
     """--accum-steps, --amp bf16 and fp16, --checkpoint in the sharded modes (refused
     before): zero1 skips DDP's reduction in all but the last micro-step, FSDP2 its
     reduce-scatter; fp16 scales the loss (FSDP through the sharded scaler, which agrees
-    on an overflow across the shards); checkpointing recomputes the whole model in
-    backward. Every mode ends with DDP's parameters, and commlab.predict with the same
+    on an overflow across the shards); checkpointing recomputes each block in backward.
+    Every mode ends with DDP's parameters, and commlab.predict with the same
     flags puts the same bytes on the wire and each rank's tensor bytes within 10 %."""
     from commlab.training import workloads
     from commlab.training.compare import cli
