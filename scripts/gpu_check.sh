@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one prepared GPU check (issues #3, #6, #13, #18, #19, #30), for a machine with one NVIDIA GPU:
-#   scripts/gpu_check.sh [PART ...]   PARTs: build tests bench compare gather share colls sharded bench4 probe (default: all)
+#   scripts/gpu_check.sh [PART ...]   PARTs: build tests bench compare gather share colls bench4 probe (default: all)
 # A lease is ~15 minutes, machine start included, so every part runs in ONE call under one
 # time budget (GPU_CHECK_BUDGET seconds, default 540, under the device tool's 600 s a call):
 # each step gets at most what is left, a step that cannot get 20 s is skipped and said so,
@@ -20,7 +20,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${OUT:-/tmp/commlab-gpu-check}
-PARTS=" ${*:-build tests bench compare gather share colls sharded bench4 probe} "
+PARTS=" ${*:-build tests bench compare gather share colls bench4 probe} "
 BUDGET=${GPU_CHECK_BUDGET:-540}
 START=$(date +%s)
 want() { [[ "$PARTS" == *" $1 "* ]]; }
@@ -86,9 +86,9 @@ want share && step compare_share 90 python3 -m commlab.compare --device cuda --s
 want colls && step collectives_2 90 "${BENCH[@]}" --collective all --world-size 2 --algorithms all \
   -b 4K -e 1M -f 16
 
-# The sharded modes on one GPU (#28): ZeRO-1 and FSDP2 over NCCL at world size 1 (one GPU cannot run more).
-want sharded && step sharded_1gpu 120 python3 -m commlab.compare --device cuda --gpus 1 --world-size 1 \
-  --modes ddp,zero1,fsdp --model transformer --batch-size 16 --iters 5 --warmup 2
+# No sharded step: compare's zero1 and fsdp modes run on CPU only (FSDP's collectives are
+# timed through commlab's hooks, which serve CPU tensors; FSDP2 on a GPU waits on torch's
+# Work): asked for on cuda they came back "unavailable" in a run that exits 0 (tests/test_gpu_paths.py).
 
 want bench4 && step bench_4 60 "${BENCH[@]}" --world-size 4 --algorithms builtin,ipc -b 4K -e 64M -f 16
 

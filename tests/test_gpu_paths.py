@@ -67,3 +67,28 @@ def cuda_collectives(rank, p):
 def test_every_cuda_algorithm_on_a_gloo_group(ranks, world):
     for wrong in ranks.run(world, cuda_collectives):
         assert wrong == [], wrong
+
+
+def test_the_gpu_check_asks_compare_only_for_modes_it_runs_on_cuda():
+    """scripts/gpu_check.sh is run once, on a lent GPU, unattended: a step naming a mode
+    compare does not offer on cuda comes back as an "unavailable" row in a run that
+    exits 0, and the check reports as done what never ran. Its sharded step asked for
+    zero1 and fsdp on cuda, which compare runs on CPU only."""
+    import os
+    import re
+    import shlex
+
+    from commlab.training.compare import cli
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "scripts", "gpu_check.sh")) as f:
+        script = f.read().replace("\\\n", " ")
+    cuda = set(cli.all_modes("cuda"))
+    asked = []
+    for line in script.splitlines():
+        if "commlab.compare" in line and "--device cuda" in line:
+            words = shlex.split(line.split("commlab.compare", 1)[1])
+            asked += words[words.index("--modes") + 1].split(",")
+    assert asked and not [m for m in asked if m not in cuda], (asked, sorted(cuda))
+    for part in re.findall(r"want (\w+) &&", script):  # every part a step runs is in the parts list
+        assert f" {part} " in " " + script.split('PARTS=" ${*:-', 1)[1].split("}", 1)[0] + " ", part
