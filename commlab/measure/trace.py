@@ -105,9 +105,9 @@ def chrome_trace(records: list[dict], mode: str) -> dict:
     last = last_arrivals(records)
 
     def peer_wait(k: int, key: tuple, c: dict, rank: int, what: str) -> None:
-        at, who = last.get((k, key), (c["start"], rank))
-        if who != rank and at > c["start"]:
-            span(f"waiting for rank {who}", "peer-wait", c["start"], min(at, c["end"]), rank, "peer wait",
+        cut, who = _arrival_cut(last, k, key, c["start"], c["end"], rank)
+        if cut > c["start"]:  # the last to start waits for nobody: its cut is its own start
+            span(f"waiting for rank {who}", "peer-wait", c["start"], cut, rank, "peer wait",
                  {"what": what, "last_rank": who, "iteration": k,
                   "from": "this rank's start", "to": "the last rank's start (or this call's end)"})
 
