@@ -232,11 +232,11 @@ def predicted_sharding(hardware: str, gpus: int, model: str, batch_size: int, wi
     limit = mem_limit_mb or (prof.memory_bytes / 2**20 if prof.device == "cuda" else None)
     verdict, findings = sharding(rows, limit, prof.device)
     ok = [r for r in rows if r.get("status") == "ok"]
-    if limit is None or all(_memory_mb(dict(r, device=prof.device)) <= limit for r in ok):
+    fits = {r["mode"]: limit is None or _memory_mb(dict(r, device=prof.device)) <= limit for r in ok}
+    if all(fits.values()):
         return verdict, findings, rows
     # Some mode does not fit as asked: would checkpointing or accumulation make a faster one fit?
-    plain = min((r["iter_ms"]["median"] for r in ok if _memory_mb(dict(r, device=prof.device)) <= limit),
-                default=None)
+    plain = min((r["iter_ms"]["median"] for r in ok if fits[r["mode"]]), default=None)
     # Both shrink activations only (accumulation grows FSDP's held gradients) and neither
     # makes a mode faster than it is as asked: only modes whose tensors fit and that would
     # beat what already fits are worth predicting again (a 1.3 B model's DDP on a 4090 is not).
