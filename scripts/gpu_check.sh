@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared GPU check (issues #3, #6, #13, #18, #19, #30), for a machine with one NVIDIA GPU:
-#   scripts/gpu_check.sh [PART ...]   PARTs: build tests bench compare gather share colls bench4 probe (default: all)
+#   scripts/gpu_check.sh [PART ...]   PARTs: build tests bench compare sharded gather share colls bench4 probe trace
+#                                     (default: all)
 # A lease is ~15 minutes, machine start included, so every part runs in ONE call under one
 # time budget (GPU_CHECK_BUDGET seconds, default 540, under the device tool's 600 s a call):
 # each step gets at most what is left, a step that cannot get 20 s is skipped and said so,
@@ -13,14 +14,15 @@
 # the CUDA reduction kernels, DDP hooks on CUDA streams against DDP's own allreduce, every
 # pure torch.distributed algorithm of each family on CUDA tensors of a gloo group);
 # ipc next to gloo with CUDA tensors (2 ranks); DP/DDP on the GPU beside commlab.predict's
-# columns for this GPU (#18); every all-gather algorithm that claims CUDA (2 ranks on the
-# GPU over gloo); the --share-gpu comparison; ipc at 4 ranks; and, as an experiment, the
-# P2P kernels forced onto two processes sharing the GPU (time-slicing completes them or
-# their 20 s deadline must fire; a hang past the step's limit is a bug).
+# columns for this GPU (#18); ZeRO-1 and FSDP2 on it beside predict's columns (#28); every
+# all-gather algorithm that claims CUDA (2 ranks on the GPU over gloo); the --share-gpu
+# comparison; every other family on CUDA; ipc at 4 ranks; as an experiment, the P2P kernels
+# forced onto two processes sharing the GPU (time-slicing completes them or their 20 s
+# deadline must fire; a hang past the step's limit is a bug); compare --trace on the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${OUT:-/tmp/commlab-gpu-check}
-PARTS=" ${*:-build tests bench compare gather share colls bench4 probe} "
+PARTS=" ${*:-build tests bench compare sharded gather share colls bench4 probe trace} "
 BUDGET=${GPU_CHECK_BUDGET:-540}
 START=$(date +%s)
 want() { [[ "$PARTS" == *" $1 "* ]]; }
@@ -72,8 +74,16 @@ want bench && step bench_2 70 "${BENCH[@]}" --world-size 2 --algorithms builtin,
 
 # Measured beside commlab.predict's columns for this GPU (issue #18): the roofline's
 # compute against the real kernels.
+# The lent GPU's own profile (an H100 or an H200 lease).
+PROFILE=$(python3 -c "import torch; n = torch.cuda.get_device_name(0).upper(); print(next((p for k, p in (('H100', 'h100-sxm-nvlink'), ('A100', 'a100-sxm-nvlink'), ('4090', 'rtx4090-pcie4')) if k in n), 'h200-sxm-nvlink'))")
 want compare && step compare_1gpu 120 python3 -m commlab.compare --device cuda --gpus 1 --world-size 1 \
-  --modes dp,ddp,ddp:noop --model resnet50 --batch-size 64 --iters 10 --warmup 3 --predict h200-sxm-nvlink
+  --modes dp,ddp,ddp:noop --model resnet50 --batch-size 64 --iters 10 --warmup 3 --predict "$PROFILE"
+
+# ZeRO-1 and FSDP2 on the GPU over NCCL (one rank: FSDP's whole path, its collectives
+# timed from a profiled warm-up step), beside predict's columns for the same setup (#28, #30).
+want sharded && step compare_sharded_1gpu 120 python3 -m commlab.compare --device cuda --gpus 1 --world-size 1 \
+  --modes ddp,zero1,fsdp,fsdp:noreshard,ddp:noop --model transformer --batch-size 32 --iters 10 --warmup 3 \
+  --predict "$PROFILE"
 
 # Every all-gather algorithm that claims CUDA tensors, checked (#wrong) on two ranks sharing the GPU.
 want gather && step gather_2 60 "${BENCH[@]}" --collective all_gather --world-size 2 --algorithms all \
@@ -86,16 +96,17 @@ want share && step compare_share 90 python3 -m commlab.compare --device cuda --s
 want colls && step collectives_2 90 "${BENCH[@]}" --collective all --world-size 2 --algorithms all \
   -b 4K -e 1M -f 16
 
-# No sharded step: compare's zero1 and fsdp modes run on CPU only (FSDP's collectives are
-# timed through commlab's hooks, which serve CPU tensors; FSDP2 on a GPU waits on torch's
-# Work): asked for on cuda they came back "unavailable" in a run that exits 0 (tests/test_gpu_paths.py).
-
 want bench4 && step bench_4 60 "${BENCH[@]}" --world-size 4 --algorithms builtin,ipc -b 4K -e 64M -f 16
 
 before=$status
 want probe && step p2p_shared_gpu_probe 45 env COMMLAB_IPC_PATH=peer python3 -m commlab.allreduce_bench --device cuda \
   --backend gloo --world-size 2 --algorithms ipc -b 4K -e 1M -f 16 --timeout 20 --budget 0.1 --rounds 1 --quiet
 status=$before  # the probe's outcome is reported, not judged
+
+# compare --trace on the GPU (#29): the host's spans and DDP's bucket futures, written and read back.
+want trace && step compare_trace_1gpu 60 python3 -m commlab.compare --device cuda --gpus 1 --world-size 1 \
+  --modes ddp,zero1,fsdp --model transformer --width 256 --depth 2 --batch-size 16 --iters 3 --warmup 1 \
+  --trace /tmp/commlab-gpu-trace
 echo "total $(( $(date +%s) - START ))s of a ${BUDGET}s budget" | tee -a "$SUMMARY"
 cat "$SUMMARY"
 echo "(p2p_shared_gpu_probe is an experiment: see all.log; rc 124 means it hung)"

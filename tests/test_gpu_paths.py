@@ -92,3 +92,96 @@ def test_the_gpu_check_asks_compare_only_for_modes_it_runs_on_cuda():
     assert asked and not [m for m in asked if m not in cuda], (asked, sorted(cuda))
     for part in re.findall(r"want (\w+) &&", script):  # every part a step runs is in the parts list
         assert f" {part} " in " " + script.split('PARTS=" ${*:-', 1)[1].split("}", 1)[0] + " ", part
+
+
+class _Span:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+    def elapsed_us(self):
+        return self.end - self.start
+
+
+class _Kernel:
+    def __init__(self, name, start, end, device=0, cuda=True):
+        from torch.autograd import DeviceType
+
+        self.name, self.device_index, self.time_range = name, device, _Span(start, end)
+        self.device_type = DeviceType.CUDA if cuda else DeviceType.CPU
+
+
+def test_a_gpus_exposed_communication_is_what_no_other_kernel_overlaps():
+    """The sharded modes' sync on a GPU, from a profiled step (compare.metrics): their
+    collectives run on FSDP's and NCCL's streams beside compute, so total is the union of
+    the NCCL kernels' time and exposed the part of it no other kernel or copy covers."""
+    from commlab.training.compare.metrics import comm_overlap_ms, comm_time_ms
+
+    events = [
+        _Kernel("ncclDevKernel_AllGather_RING_LL", 0, 1000),      # 0-1000, compute covers 200-700
+        _Kernel("ncclDevKernel_ReduceScatter_RING", 900, 1500),   # overlaps the first: union 0-1500
+        _Kernel("sm90_xmma_gemm", 200, 500), _Kernel("elementwise_kernel", 450, 700),
+        _Kernel("Memcpy DtoD (Device -> Device)", 1400, 1600),    # a copy counts as other work
+        _Kernel("ncclDevKernel_AllReduce", 0, 300, device=1),      # a less busy device
+        _Kernel("nccl:all_gather", 0, 5000, cuda=False),           # the host's record, not device time
+    ]
+    got = comm_overlap_ms(events)
+    # union 1500 µs; covered 200-700 and 1400-1500: exposed 0-200, 700-1400 = 900 µs
+    assert got == pytest.approx({"total": 1.5, "exposed": 0.9})
+    assert comm_time_ms(events) == pytest.approx(1.6)  # DP's figure sums kernels, overlaps included
+    assert comm_overlap_ms([_Kernel("gemm", 0, 10)]) == {"total": 0.0, "exposed": 0.0}
+    fully_hidden = [_Kernel("ncclKernel", 10, 20), _Kernel("gemm", 0, 30)]
+    assert comm_overlap_ms(fully_hidden) == pytest.approx({"total": 0.01, "exposed": 0.0})
+
+
+def test_the_sharded_modes_offered_on_a_gpu_and_where_they_are_refused():
+    """ZeRO-1 and FSDP2's own collectives run on GPUs over NCCL (the day a GPU is lent,
+    gpu_check runs them on one); commlab's FSDP algorithms serve CPU tensors only, and
+    --share-gpu (gloo) or a run without a warm-up step (where the device is profiled)
+    are refused with the reason, before any rank starts."""
+    from commlab.training.compare import cli
+
+    cuda = cli.all_modes("cuda")
+    assert {"zero1", "fsdp", "fsdp:noreshard"} <= set(cuda)
+    assert not [m for m in cuda if m.startswith("fsdp:") and m != "fsdp:noreshard"]
+    assert "fsdp:shm" in cli.all_modes("cpu")
+    base = {"device": "cuda", "share_gpu": False, "warmup": 3}
+    assert cli._sharded_refusal(base) is None
+    shared = cli.run_mode("fsdp", 2, dict(base, share_gpu=True))
+    assert shared["status"] == "unavailable" and "NCCL" in shared["reason"]
+    cold = cli.run_mode("zero1", 1, dict(base, warmup=0))
+    assert cold["status"] == "unavailable" and "--warmup 1" in cold["reason"]
+    assert cli._sharded_refusal(dict(base, device="cpu", warmup=0)) is None
+
+
+def test_fsdps_own_collectives_on_a_device_pass_its_async_work_through_and_count_bytes(monkeypatch):
+    """On a GPU FSDP2 issues its gathers on its own stream and waits on the Work it gets
+    back: commlab's wrapper must return torch's Work as FSDP2's default does (a blocking
+    call would serialise the streams) and, seeing only the launch, count bytes but no
+    time; on CPU the calls stay blocking and timed."""
+    from commlab.training import fsdp
+
+    seen = []
+
+    def fake(kind):
+        def call(*args, **kwargs):
+            seen.append((kind, kwargs.get("async_op")))
+            return f"work:{kind}"
+        return call
+
+    monkeypatch.setattr(fsdp.dist, "all_gather_single", fake("all_gather"))
+    monkeypatch.setattr(fsdp.dist, "reduce_scatter_single", fake("reduce_scatter"))
+    stats = fsdp.CommStats()
+    stats.step()
+    out, inp = torch.empty(8, device="meta"), torch.empty(2, device="meta")  # not CPU: stands for a GPU's
+    assert fsdp.Gather(None, stats)(out, inp, group=None, async_op=True) == "work:all_gather"
+    assert fsdp.Scatter(None, stats)(inp, out, group=None, op=None, async_op=False) == "work:reduce_scatter"
+    assert seen == [("all_gather", True), ("reduce_scatter", False)]
+    got = stats.summary()
+    assert got["mean_bytes"] == 2 * 8 * 4 and got["mean_calls"] == 2
+    assert got["mean_total_comm_ms"] is None and got["mean_exposed_ms"] is None  # the device's, not the host's
+    with pytest.raises(commlab.UnsupportedError, match="CPU tensors"):  # commlab's algorithms: CPU only
+        fsdp.Gather("ring", stats)(out, inp, group=None)
+    timed = fsdp.CommStats()
+    timed.step()
+    timed.add("all_gather", 64, 1.0, 1.25)
+    assert timed.summary()["mean_total_comm_ms"] == pytest.approx(250.0)

@@ -12,8 +12,11 @@ plugged into `fully_shard` the way commlab.hooks plugs all-reduce into DDP.
 `use(model, None, stats)` keeps torch's own collectives (dist.all_gather_single and
 dist.reduce_scatter_single on FSDP's group, FSDP2's defaults) and only times them. Every call runs to
 completion before it returns (FSDP2 on CPU issues them blocking, without streams), so
-its whole time is exposed; on GPU FSDP's async gathers would be waited on as torch's
-Work, which commlab's handle is not, so this module serves CPU tensors and refuses others.
+its whole time is exposed. On a GPU the calls are issued on FSDP's streams and only
+launched by the time the host returns: there `use(model, None, stats)` counts each
+call's bytes and leaves its time to the device (compare profiles a step); commlab's
+algorithms serve CPU tensors there (FSDP2 waits on torch's Work, which commlab's handle
+is not).
 """
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ class CommStats:
         with self._lock:
             self._steps: list[_Step] = []
             self._current = _Step()
+            self.untimed = False
 
     def step(self) -> None:
         """A training step starts: the previous one's calls are booked."""
@@ -69,19 +73,22 @@ class CommStats:
                 self._steps.append(self._current)
             self._current = _Step()
 
-    def add(self, kind: str, nbytes: int, start: float, end: float) -> None:
-        """One call, from start to end (time.perf_counter)."""
+    def add(self, kind: str, nbytes: int, start: float, end: float | None) -> None:
+        """One call, from start to end (time.perf_counter); end None: launched on a
+        device stream, its bytes counted and its time the device's."""
         with self._lock:
-            self._current.calls.append((kind, start, end, nbytes))
+            self._current.calls.append((kind, start, start if end is None else end, nbytes))
+            self.untimed = self.untimed or end is None
 
     def summary(self) -> dict:
-        """Means over the finished steps (blocking calls: exposed = total)."""
+        """Means over the finished steps (blocking calls: exposed = total; None where a
+        call was launched on a device stream, untimed)."""
         self.step()
         with self._lock:
             steps = list(self._steps)
         n = len(steps)
         mean = (lambda f: sum(f(s) for s in steps) / n) if n else (lambda f: 0.0)
-        total = mean(lambda s: s.comm_s * 1e3)
+        total = None if self.untimed else mean(lambda s: s.comm_s * 1e3)
         return {"steps": n, "mean_total_comm_ms": total, "mean_exposed_ms": total,
                 "mean_bytes": mean(lambda s: s.bytes), "mean_calls": mean(lambda s: len(s.calls)),
                 "mean_all_gathers": mean(lambda s: s.count("all_gather")),
@@ -102,6 +109,11 @@ def _cpu(*tensors) -> None:
                                    f"got {t.device}")
 
 
+def _launched(stats: CommStats | None, kind: str, nbytes: int) -> None:
+    if stats is not None:
+        stats.add(kind, nbytes, time.perf_counter(), None)
+
+
 class _Alloc:
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -114,6 +126,11 @@ class Gather(_Alloc, AllGather):
         self.algorithm, self.stats = algorithm, stats
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        nbytes = output_tensor.numel() * output_tensor.element_size()
+        if self.algorithm is None and not output_tensor.is_cpu:  # FSDP2's own default call, on its stream
+            work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+            _launched(self.stats, "all_gather", nbytes)
+            return work
         _cpu(output_tensor, input_tensor)
         t0 = time.perf_counter()
         if self.algorithm is None:
@@ -121,7 +138,7 @@ class Gather(_Alloc, AllGather):
         else:
             all_gather(output_tensor, input_tensor, group=group, algorithm=self.algorithm)
         if self.stats is not None:
-            self.stats.add("all_gather", output_tensor.numel() * output_tensor.element_size(), t0, time.perf_counter())
+            self.stats.add("all_gather", nbytes, t0, time.perf_counter())
         return None  # done: FSDP goes on as after a blocking call
 
 
@@ -132,6 +149,12 @@ class Scatter(_Alloc, ReduceScatter):
         self.algorithm, self.stats = algorithm, stats
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        nbytes = input_tensor.numel() * input_tensor.element_size()
+        if self.algorithm is None and not input_tensor.is_cpu:
+            work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, op=op, group=group,
+                                              async_op=async_op)
+            _launched(self.stats, "reduce_scatter", nbytes)
+            return work
         _cpu(output_tensor, input_tensor)
         t0 = time.perf_counter()
         if self.algorithm is None:
@@ -139,8 +162,7 @@ class Scatter(_Alloc, ReduceScatter):
         else:
             reduce_scatter(output_tensor, input_tensor, op, group=group, algorithm=self.algorithm)
         if self.stats is not None:
-            self.stats.add("reduce_scatter", input_tensor.numel() * input_tensor.element_size(), t0,
-                           time.perf_counter())
+            self.stats.add("reduce_scatter", nbytes, t0, time.perf_counter())
         return None
 
 

@@ -12,11 +12,12 @@ calls dist.all_reduce on DDP's process group, as DDP's built-in allreduce hook d
 times each bucket); `ddp:<algorithm>` (DDP through commlab's hook for that algorithm);
 `ddp:noop` (no communication: the compute-only floor); `ddp@commlab` (`ddp` with its
 process group on commlab's torch.distributed backend: the same dist.all_reduce, served
-by commlab's `auto`; CPU). The sharded modes (CPU): `zero1` (DDP + torch's
+by commlab's `auto`; CPU). The sharded modes: `zero1` (DDP + torch's
 ZeroRedundancyOptimizer), `fsdp` (FSDP2 fully_shard per block, torch's collectives),
-`fsdp:noreshard` (reshard_after_forward=False, ZeRO-2-like), `fsdp:<algorithm>` (FSDP's
-all-gathers and reduce-scatters through commlab's families); with any of them the default
-model is the transformer and the optimizer AdamW, for every mode. Every mode trains the
+`fsdp:noreshard` (reshard_after_forward=False, ZeRO-2-like) — on CPU and on GPUs over
+NCCL — and `fsdp:<algorithm>` (FSDP's all-gathers and reduce-scatters through commlab's
+families; CPU); with any of them the optimizer is AdamW for every mode (and on CPU the
+model the transformer). Every mode trains the
 same model from the same seed on the same synthetic data.
 
     python -m commlab.compare --device cpu --world-size 4 --model transformer --width 1024 --depth 8 \
@@ -51,10 +52,21 @@ def all_modes(device: str) -> list[str]:
 
 
 def _sharded_modes(device: str) -> list[str]:
-    """ZeRO-1 and FSDP2 (CPU: FSDP's collectives through commlab serve CPU tensors)."""
-    if device != "cpu":
-        return []
-    return ["zero1", "fsdp", "fsdp:noreshard"] + [f"fsdp:{a}" for a in fsdp.algorithms()]
+    """ZeRO-1 and FSDP2; FSDP's collectives through commlab on CPU only (its algorithms
+    serve FSDP2 there; on a GPU FSDP2 waits on torch's Work, which commlab's handle is not)."""
+    return ["zero1", "fsdp", "fsdp:noreshard"] + ([f"fsdp:{a}" for a in fsdp.algorithms()] if device == "cpu" else [])
+
+
+def _sharded_refusal(args: dict) -> str | None:
+    """Why a sharded mode cannot run on this GPU setup, or None."""
+    if args["device"] != "cuda":
+        return None
+    if args["share_gpu"]:
+        return "the sharded modes run over NCCL with a GPU per rank; --share-gpu runs gloo, whose CUDA " \
+               "collectives FSDP2 does not use"
+    if args["warmup"] < 1:
+        return "on a GPU the sharded modes' collectives are timed in a profiled warm-up step: --warmup 1 or more"
+    return None
 
 
 def _backend_modes(device: str) -> list[str]:
@@ -123,6 +135,9 @@ def run_mode(mode: str, world: int, args: dict) -> dict:
             or mode in _backend_modes(device):
         return run_ddp_mode(mode, world, args)
     if mode in _sharded_modes(device):
+        refusal = _sharded_refusal(args)
+        if refusal:
+            return {"mode": mode, "status": "unavailable", "reason": refusal}
         return run_ddp_mode(mode, world, args, sharded.sharded_rank)
     return {"mode": mode, "status": "unavailable",
             "reason": f"no such mode for {device} (modes: {', '.join(all_modes(device))})"}

@@ -70,6 +70,72 @@ def comm_time_ms(events) -> float:
     return max(per_device.values(), default=0.0) / 1e3
 
 
+def profiled_sync_ms(step) -> dict:
+    """One step under torch.profiler: the busiest device's communication time (total) and
+    the part of it during which no other kernel or copy ran on that device (exposed) —
+    how the sharded modes' collectives, issued on FSDP's and NCCL's own streams, are timed
+    on a GPU, where the host sees only their launch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return comm_overlap_ms(prof.events())
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(spans) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _minus(spans, cover) -> float:
+    """The length of the union `spans` not covered by the union `cover` (both sorted)."""
+    left, j = 0.0, 0
+    for a, b in spans:
+        at = a
+        while j < len(cover) and cover[j][1] <= at:
+            j += 1
+        k = j
+        while k < len(cover) and cover[k][0] < b:
+            left += max(0.0, min(cover[k][0], b) - at)
+            at = max(at, cover[k][1])
+            k += 1
+        left += max(0.0, b - at)
+    return left
+
+
+def comm_overlap_ms(events) -> dict:
+    """Per device, the union of its communication intervals (NCCL kernels, peer copies)
+    and the part of that union no other device activity overlaps (Holistic Trace
+    Analysis's exposed communication); the busiest device's, in ms."""
+    from torch.autograd import DeviceType
+
+    comm: dict[int, list] = {}
+    other: dict[int, list] = {}
+    for e in events:
+        if e.device_type != DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        into = comm if "nccl" in name or "ptop" in name else other
+        into.setdefault(e.device_index, []).append((e.time_range.start, e.time_range.end))
+    best = {"total": 0.0, "exposed": 0.0}
+    for d, spans in comm.items():
+        mine = _union(spans)
+        total, exposed = _length(mine) / 1e3, _minus(mine, _union(other.get(d, []))) / 1e3
+        if total > best["total"]:
+            best = {"total": total, "exposed": exposed}
+    return best
+
+
 def cap_gpu_memory(device, limit_mb: float) -> None:
     """Make this process's caching allocator behave like a card of limit_mb (the seed's
     24 GB RTX 4090 on a bigger GPU): allocations beyond it raise OutOfMemoryError."""

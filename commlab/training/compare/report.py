@@ -19,10 +19,15 @@ DEFINITIONS = """\
                completion (the part that is not hidden behind backward). DP: one extra
                iteration under torch.profiler, the busiest GPU's time in NCCL kernels
                and peer copies (replicate, gradient reduce-add, scatter, gather); all
-               of it exposed, as DP communicates on the compute stream. Of the exposed
-               time, the part after the last rank arrived (its end of backward, or
-               its start of each blocking collective; one clock per host): the
-               communication itself, the rest being a wait for a slower rank. Every
+               of it exposed, as DP communicates on the compute stream. ZeRO-1 and
+               FSDP: on CPU as DDP's buckets plus their blocking collectives (ZeRO-1's
+               parameter broadcasts, FSDP's all-gathers and reduce-scatters), exposed
+               whole; on a GPU the last warm-up step under torch.profiler, the busiest
+               GPU's time in NCCL kernels (total) and the part of it no other kernel
+               or copy overlapped (exposed). Of the exposed time, the part after the
+               last rank arrived (its end of backward, or its start of each blocking
+               collective; one clock per host): the communication itself, the rest
+               being a wait for a slower rank. Every
                figure is the largest rank's; predicted: the exposed time charges the
                ranks' measured arrival skew, the part after the arrival does not
   tensor bytes the peak, over one extra step sampled at every leaf module's forward,

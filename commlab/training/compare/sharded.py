@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commlab.measure import trace
 from commlab.training import fsdp, hooks, workloads
+from commlab.training.compare import metrics
 from commlab.training.compare.workers import emulate_memory_limit, optimizer_step, timed_default_hook
 from commlab.training.predict.sharded import fsdp_algorithm
 
@@ -159,14 +160,22 @@ def measure_step(model: torch.nn.Module, opt, buckets: int, one_step) -> dict:
 
 
 def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
-    """One rank of a sharded mode; returns its measurements (as workers.ddp_rank does)."""
-    backend = "gloo"
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+    """One rank of a sharded mode; returns its measurements (as workers.ddp_rank does).
+    On a GPU (NCCL, one GPU per rank) the collectives run on FSDP's and NCCL's streams:
+    their bytes are counted per call and their time read from the device in a profiled
+    step, the last warm-up step (metrics.profiled_sync_ms)."""
+    cuda = args["device"] == "cuda"
+    device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args["timeout"]))
+    if cuda and args["mem_limit_mb"]:
+        metrics.cap_gpu_memory(device, args["mem_limit_mb"])
     rss_before_model = psutil.Process().memory_info().rss
     torch.manual_seed(0)
     wl = workloads.build(args["model"], **workloads.options(args))
-    model = wl.model
+    model = wl.model.to(device)
     comm = fsdp.CommStats()
     buckets_state = None
     zero_sync = {"s": 0.0, "bytes": 0, "steps": 0, "calls": []}
@@ -174,7 +183,8 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         # Checkpointing inside what DDP wraps, as ddp_rank does (DDP's forward must run).
-        net = DDP(workloads.Checkpointed(model) if args["checkpoint"] else model, bucket_cap_mb=args["bucket_cap_mb"])
+        net = DDP(workloads.Checkpointed(model) if args["checkpoint"] else model, bucket_cap_mb=args["bucket_cap_mb"],
+                  device_ids=[device.index] if cuda else None)
         buckets_state = hooks.BucketStats()
         net.register_comm_hook(buckets_state, timed_default_hook)
         kind = torch.optim.AdamW if args.get("optimizer", "sgd") == "adamw" else torch.optim.SGD
@@ -195,7 +205,7 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
         reshard = mode != "fsdp:noreshard"
         for block in workloads.blocks(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
@@ -220,7 +230,7 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         # whether any gradient overflowed: the sharded scaler all-reduces that verdict.
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        scaler = torch.amp.GradScaler("cpu") if mode == "zero1" else ShardedGradScaler("cpu")
+        scaler = torch.amp.GradScaler(device.type) if mode == "zero1" else ShardedGradScaler(device.type)
         # Its one-element found_inf meets DTensor gradients and is replicated, as it should be: said once per call.
         warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1", category=UserWarning)
 
@@ -237,34 +247,50 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for k in range(accum):
-            x, y = wl.make_batch(micro, seed=(i * accum + k) * 1000 + rank)
+            x, y = wl.make_batch(micro, seed=(i * accum + k) * 1000 + rank, device=device)
             with reducing(k == accum - 1):
                 t0 = time.perf_counter()
-                with torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                     loss = wl.loss(net(x).float(), y) / accum
                 t1 = time.perf_counter()
                 (scaler.scale(loss) if scaler else loss).backward()
                 spans.extend((("forward", t0, t1), ("backward", t1, time.perf_counter())))
             total += float(loss.detach())
+        if cuda:
+            torch.cuda.synchronize()
         t2 = time.perf_counter()
         optimizer_step(opt, scaler)
+        if cuda:
+            torch.cuda.synchronize()
         spans.append(("optimizer", t2, time.perf_counter()))
         return total
 
+    device_sync = None
     for i in range(args["warmup"]):
-        step(i)
+        if cuda and i == args["warmup"] - 1:  # warm, and not a step the table times
+            device_sync = metrics.profiled_sync_ms(lambda: step(i))
+        else:
+            step(i)
     comm.reset()
     spans.clear()
     if buckets_state is not None:
         buckets_state.reset()
     zero_sync.update(s=0.0, bytes=0, steps=0, calls=[])
     times, loss = [], 0.0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    sampler = metrics.NvmlSampler([device.index]) if cuda else None  # as ddp_rank's: one metric per device type
+    if sampler is not None:
+        sampler.start()
     cpu0, wall0 = sum(proc.cpu_times()[:2]), time.perf_counter()
     for i in range(args["warmup"], args["warmup"] + args["iters"]):
         t0 = time.perf_counter()
         loss = step(i)
         times.append(time.perf_counter() - t0)
-    util = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - wall0) * 100
+    if sampler is not None:
+        util = (sampler.stop() or [None])[0]
+    else:
+        util = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - wall0) * 100
     # The timed steps' communication, before the measuring step adds its own.
     if mode == "zero1":
         st = buckets_state.stats()
@@ -277,19 +303,27 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         st = comm.summary()
         total, exposed, per_step = st["mean_total_comm_ms"], st["mean_exposed_ms"], st["mean_bytes"]
         iterations = comm.iterations()
+    if cuda:  # the host saw launches: the device's own times, from the profiled step, and no per-call spans
+        if device_sync is not None:
+            total, exposed = device_sync["total"], device_sync["exposed"]
+        iterations = []
     traced = trace.record(spans, iterations, fsdp_algorithm(mode))  # as ddp_rank's: the exposed sync's split
     tensors = measure_step(model, opt, ddp_bucket_bytes(net) if mode == "zero1" else 0,
                            lambda: step(args["warmup"] + args["iters"]))
-    slowest = torch.tensor(times, dtype=torch.float64)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)  # NCCL reduces device tensors
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    mean_loss = torch.tensor([loss], dtype=torch.float64)
+    mean_loss = torch.tensor([loss], dtype=torch.float64, device=device)
     dist.all_reduce(mean_loss)
     params = None
     if args.get("return_params"):
         full = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
         params = torch.cat([t.reshape(-1).double() for t in full]).tolist()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    emulate_memory_limit(peak_rss, rss_before_model, args["mem_limit_mb"])
-    return {"times": slowest.tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": peak_rss / 2**20,
+    if cuda:
+        memory_mb = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        emulate_memory_limit(peak_rss, rss_before_model, args["mem_limit_mb"])
+        memory_mb = peak_rss / 2**20
+    return {"times": slowest.tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": memory_mb,
             "util": util, "sync_total": total, "sync_exposed": exposed, "comm_bytes": per_step, **tensors,
             "params": params, "trace": traced}
