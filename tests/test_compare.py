@@ -366,3 +366,47 @@ def test_trace_of_the_sharded_modes_agrees_with_the_table(tmp_path):
         assert back["exposed"] == pytest.approx(table["exposed"], abs=0.01), mode
         assert back["after_arrival"] == pytest.approx(table["after_arrival"], abs=0.01), mode
         assert 0 < table["after_arrival"] <= table["exposed"], mode
+
+
+def _trace_processor() -> str | None:
+    """A Perfetto trace_processor binary: COMMLAB_TRACE_PROCESSOR or one on PATH (the
+    perfetto wheel downloads one at first use, which a machine without internet cannot)."""
+    import shutil
+
+    return os.environ.get("COMMLAB_TRACE_PROCESSOR") or shutil.which("trace_processor_shell") \
+        or shutil.which("trace_processor")
+
+
+def test_a_trace_loads_in_perfettos_trace_processor(tmp_path):
+    """compare --trace's JSON as Perfetto itself reads it: every complete event a slice
+    on its rank's named thread, the ranks as named processes. Runs where the perfetto
+    package and a trace_processor binary are both present (not on this project's CI
+    machine: no internet to fetch the binary)."""
+    perfetto = pytest.importorskip("perfetto.trace_processor")
+    binary = _trace_processor()
+    if not binary:
+        pytest.skip("no trace_processor binary (set COMMLAB_TRACE_PROCESSOR or put trace_processor_shell on PATH)")
+    from commlab.measure import trace
+
+    records = []
+    for rank in range(2):
+        t = 1000.0 + 0.01 * rank
+        compute = [("forward", t, t + 0.1), ("backward", t + 0.1, t + 0.3), ("optimizer", t + 0.35, t + 0.4)]
+        calls = [{"kind": "all-gather", "start": t + 0.02 * (1 - rank), "end": t + 0.05, "bytes": 4096},
+                 {"kind": "reduce-scatter", "start": t + 0.3, "end": t + 0.35, "bytes": 4096}]
+        records.append(trace.record(compute, [{"calls": calls}], "builtin"))
+    doc = trace.chrome_trace(records, "fsdp")
+    path = tmp_path / "fsdp.json"
+    trace.write(doc, str(path))
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    tp = perfetto.TraceProcessor(trace=str(path), config=perfetto.TraceProcessorConfig(bin_path=binary))
+    try:
+        assert next(iter(tp.query("select count(*) as n from slice"))).n == len(slices)
+        processes = {r.name for r in tp.query("select name from process where name is not null")}
+        assert {"rank 0", "rank 1"} <= processes
+        threads = {r.name for r in tp.query("select name from thread where name is not null")}
+        assert {"compute", "communication", "exposed sync"} <= threads
+        longest = next(iter(tp.query("select name, dur from slice order by dur desc limit 1")))
+        assert longest.name == "backward" and longest.dur == pytest.approx(0.2e9, rel=1e-3)  # ns
+    finally:
+        tp.close()
