@@ -64,8 +64,6 @@ def _sharded_refusal(args: dict) -> str | None:
     if args["share_gpu"]:
         return "the sharded modes run over NCCL with a GPU per rank; --share-gpu runs gloo, whose CUDA " \
                "collectives FSDP2 does not use"
-    if args["warmup"] < 1:
-        return "on a GPU the sharded modes' collectives are timed in a profiled warm-up step: --warmup 1 or more"
     return None
 
 
@@ -272,6 +270,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json"), ap.add_argument("--plot")
     a = ap.parse_args(argv)
     args = vars(a)
+    if a.device == "cuda" and a.warmup < 1:
+        ap.error("--device cuda needs --warmup 1 or more: the last warm-up step is profiled for the collectives' "
+                 "device time (NCCL completes a collective's future at launch; FSDP2 runs them on its own streams)")
     launch.preload("torch._dynamo")  # every DDP constructor imports it: once in the ranks' server, not in each rank
     try:
         caps = [float(c) for c in str(a.bucket_cap_mb).split(",") if c.strip()]

@@ -16,7 +16,9 @@ DEFINITIONS = """\
                (needs nvidia-ml-py; '-' without it)
   grad sync    DDP: from the hook statistics, per iteration: total = sum of bucket
                all-reduce times, exposed = end of backward compute to the last bucket's
-               completion (the part that is not hidden behind backward). DP: one extra
+               completion (the part that is not hidden behind backward); `ddp` on GPUs
+               over NCCL, whose futures complete at launch: from the device, as ZeRO-1's
+               and FSDP's below. DP: one extra
                iteration under torch.profiler, the busiest GPU's time in NCCL kernels
                and peer copies (replicate, gradient reduce-add, scatter, gather); all
                of it exposed, as DP communicates on the compute stream. ZeRO-1 and

@@ -75,6 +75,14 @@ def emulate_memory_limit(peak_rss: int, rss_before_model: int, limit_mb: float |
                                      f"--mem-limit-mb {limit_mb:g}")
 
 
+def timed_on_device(mode: str, device: str, backend: str) -> bool:
+    """Whether a DDP mode's sync must be read from the device (a profiled step) rather than
+    from its hook's clock: `ddp` over NCCL, which marks a collective's future complete when
+    it is launched (so the hook's callback runs at launch). gloo's futures complete when the
+    work is done; commlab's hooks time their own calls."""
+    return mode == "ddp" and device == "cuda" and backend == "nccl"
+
+
 def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     """One DDP rank of a mode (run by the launcher in fresh processes); returns its measurements."""
     cuda = args["device"] == "cuda"
@@ -147,8 +155,13 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         spans.append(("optimizer", t0, time.perf_counter()))
         return total
 
+    device_timed = timed_on_device(mode, device.type, backend)
+    device_sync = None
     for i in range(args["warmup"]):
-        step(i)
+        if device_timed and i == args["warmup"] - 1:  # warm, and not a step the table times
+            device_sync = metrics.profiled_sync_ms(lambda: step(i))
+        else:
+            step(i)
     opt_times.clear()
     spans.clear()
     if isinstance(state, hooks.BucketStats):
@@ -181,6 +194,9 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     dist.all_reduce(mean_loss)
     st = state.stats() if state is not None else {"mean_total_comm_ms": 0.0, "mean_exposed_ms": 0.0}
     timing = state if isinstance(state, hooks.BucketStats) else getattr(state, "timing", None)
+    if device_timed:  # the buckets' host spans are launches: no per-bucket spans, the device's sums
+        st = dict(st, mean_total_comm_ms=device_sync["total"], mean_exposed_ms=device_sync["exposed"])
+        timing = None
     # Every rank's spans go back, traced or not: compare splits the exposed sync at the last arrival from them.
     traced = trace.record(spans, timing.iterations() if timing is not None else [],
                           "builtin" if mode == "ddp" else mode.split(":", 1)[-1])
