@@ -265,6 +265,8 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         spans.append(("optimizer", t2, time.perf_counter()))
         return total
 
+    if cuda and args["warmup"] < 1:
+        raise ValueError("on a GPU the sharded modes are timed in their last warm-up step: warmup must be 1 or more")
     device_sync = None
     for i in range(args["warmup"]):
         if cuda and i == args["warmup"] - 1:  # warm, and not a step the table times

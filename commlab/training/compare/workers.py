@@ -156,6 +156,8 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         return total
 
     device_timed = timed_on_device(mode, device.type, backend)
+    if device_timed and args["warmup"] < 1:
+        raise ValueError("ddp over NCCL is timed in its last warm-up step: warmup must be 1 or more")
     device_sync = None
     for i in range(args["warmup"]):
         if device_timed and i == args["warmup"] - 1:  # warm, and not a step the table times
