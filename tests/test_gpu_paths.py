@@ -200,3 +200,25 @@ def test_fsdps_own_collectives_on_a_device_pass_its_async_work_through_and_count
     timed.step()
     timed.add("all_gather", 64, 1.0, 1.25)
     assert timed.summary()["mean_total_comm_ms"] == pytest.approx(250.0)
+
+
+def test_the_step_profiled_on_a_device_is_the_last_warm_up_step(monkeypatch):
+    """Warm (NCCL's communicators and the allocator settled by the earlier steps) and not
+    one the table times; every warm-up step still runs once, so every mode trains the same
+    number of steps as on CPU."""
+    from commlab.training.compare import metrics, workers
+
+    ran, profiled = [], []
+
+    def profile(step):
+        profiled.append(len(ran))
+        step()
+        return {"total": 1.0, "exposed": 0.5}
+
+    monkeypatch.setattr(metrics, "profiled_sync_ms", profile)
+    assert workers.warm_up(ran.append, 3, True) == {"total": 1.0, "exposed": 0.5}
+    assert ran == [0, 1, 2] and profiled == [2]
+    ran.clear()
+    assert workers.warm_up(ran.append, 3, False) is None and ran == [0, 1, 2]
+    with pytest.raises(ValueError, match="warm-up step"):
+        workers.warm_up(ran.append, 0, True)

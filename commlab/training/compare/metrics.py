@@ -73,8 +73,8 @@ def comm_time_ms(events) -> float:
 def profiled_sync_ms(step) -> dict:
     """One step under torch.profiler: the busiest device's communication time (total) and
     the part of it during which no other kernel or copy ran on that device (exposed) —
-    how the sharded modes' collectives, issued on FSDP's and NCCL's own streams, are timed
-    on a GPU, where the host sees only their launch."""
+    how DDP's NCCL all-reduces and the sharded modes' collectives, issued on NCCL's and
+    FSDP's own streams, are timed on a GPU, where the host sees only their launch."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from commlab.measure import trace
 from commlab.training import fsdp, hooks, workloads
 from commlab.training.compare import metrics
-from commlab.training.compare.workers import emulate_memory_limit, optimizer_step, timed_default_hook
+from commlab.training.compare.workers import emulate_memory_limit, optimizer_step, timed_default_hook, warm_up
 from commlab.training.predict.sharded import fsdp_algorithm
 
 
@@ -265,14 +265,7 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         spans.append(("optimizer", t2, time.perf_counter()))
         return total
 
-    if cuda and args["warmup"] < 1:
-        raise ValueError("on a GPU the sharded modes are timed in their last warm-up step: warmup must be 1 or more")
-    device_sync = None
-    for i in range(args["warmup"]):
-        if cuda and i == args["warmup"] - 1:  # warm, and not a step the table times
-            device_sync = metrics.profiled_sync_ms(lambda: step(i))
-        else:
-            step(i)
+    device_sync = warm_up(step, args["warmup"], cuda)
     comm.reset()
     spans.clear()
     if buckets_state is not None:
@@ -306,8 +299,7 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         total, exposed, per_step = st["mean_total_comm_ms"], st["mean_exposed_ms"], st["mean_bytes"]
         iterations = comm.iterations()
     if cuda:  # the host saw launches: the device's own times, from the profiled step, and no per-call spans
-        if device_sync is not None:
-            total, exposed = device_sync["total"], device_sync["exposed"]
+        total, exposed = device_sync["total"], device_sync["exposed"]
         iterations = []
     traced = trace.record(spans, iterations, fsdp_algorithm(mode))  # as ddp_rank's: the exposed sync's split
     tensors = measure_step(model, opt, ddp_bucket_bytes(net) if mode == "zero1" else 0,

@@ -83,6 +83,16 @@ def timed_on_device(mode: str, device: str, backend: str) -> bool:
     return mode == "ddp" and device == "cuda" and backend == "nccl"
 
 
+def warm_up(step, n: int, on_device: bool) -> dict | None:
+    """The n warm-up steps; on_device: the last of them (warm, and not one the table times)
+    under torch.profiler, whose device sync figures it returns (metrics.profiled_sync_ms)."""
+    if on_device and n < 1:
+        raise ValueError("collectives timed on the device are timed in the last warm-up step: warmup must be >= 1")
+    for i in range(n - 1 if on_device else n):
+        step(i)
+    return metrics.profiled_sync_ms(lambda: step(n - 1)) if on_device else None
+
+
 def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     """One DDP rank of a mode (run by the launcher in fresh processes); returns its measurements."""
     cuda = args["device"] == "cuda"
@@ -156,14 +166,7 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         return total
 
     device_timed = timed_on_device(mode, device.type, backend)
-    if device_timed and args["warmup"] < 1:
-        raise ValueError("ddp over NCCL is timed in its last warm-up step: warmup must be 1 or more")
-    device_sync = None
-    for i in range(args["warmup"]):
-        if device_timed and i == args["warmup"] - 1:  # warm, and not a step the table times
-            device_sync = metrics.profiled_sync_ms(lambda: step(i))
-        else:
-            step(i)
+    device_sync = warm_up(step, args["warmup"], device_timed)
     opt_times.clear()
     spans.clear()
     if isinstance(state, hooks.BucketStats):
