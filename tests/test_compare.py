@@ -260,6 +260,33 @@ def _two_ranks_one_late():
     return [rec(1.0, 2.0), rec(1.3, 2.1)]
 
 
+def test_the_waiting_predicted_from_the_compute_only_step_shares_the_cores_of_ranks_that_wait():
+    """What this-host's prediction charges every synchronising mode for waiting on the last
+    rank, from ddp:noop (whose ranks never wait): each iteration's ends of backward, as
+    they would come once ranks that arrived sleep and the rest split their cores, then the
+    table's own statistic. The first bucket's median spread, charged before, read 83-391 ms
+    in three identical runs against 69-306 measured; this reads 196-210 against 130-319
+    (docs/measurements.md)."""
+    from commlab.training.compare import workers
+
+    # 4 ranks on 2 cores ending backward 0, 100, 200 and 300 ms apart when none waits: each
+    # ran at half a core; once the first waits the other three get 2/3 of one, and so on.
+    assert workers.synchronised_arrivals([1.0, 1.1, 1.2, 1.3], 2) == pytest.approx([0, 0.075, 0.125, 0.175])
+    assert workers.synchronised_arrivals([1.0, 1.1, 1.2, 1.3], 4) == pytest.approx([0, 0.1, 0.2, 0.3])  # a core each
+    assert workers.synchronised_arrivals([2.0, 2.0], 1) == [0.0, 0.0]
+
+    def log(*ends):  # (iteration, bucket, seconds after the rank's own start): buckets 0 and 1
+        return [t for i, end in enumerate(ends) for t in ((i, 0, end / 3), (i, 1, end))]
+
+    # Iteration 0 as above (waits 175, 100, 50, 0 ms); in iteration 1 rank 0 is 300 ms late
+    # and alone on a core once the others wait (150 ms each). Per rank the mean: 87.5, 125,
+    # 100, 75 ms; the table reports the largest rank's.
+    logs = [log(1.0, 1.3), log(1.1, 1.0), log(1.2, 1.0), log(1.3, 1.0)]
+    assert workers.arrival_skew_ms(logs, cores=2) == pytest.approx(125.0)
+    assert workers.arrival_skew_ms([log(1.0), log(1.0)], cores=2) == 0.0
+    assert workers.arrival_skew_ms([[], log(1.0)], cores=2) is None  # no iteration every rank finished
+
+
 def test_the_exposed_sync_splits_at_the_last_ranks_arrival():
     """compare's exposed sync is the largest rank's (rank 0: 0.5 s at the buckets, 0.4 s in
     the call); of it, the part after the last rank arrived is the communication's

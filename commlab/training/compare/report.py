@@ -31,7 +31,9 @@ DEFINITIONS = """\
                collective; one clock per host): the communication itself, the rest
                being a wait for a slower rank. Every
                figure is the largest rank's; predicted: the exposed time charges the
-               ranks' measured arrival skew, the part after the arrival does not
+               wait for the last rank predicted from ddp:noop's ends of backward
+               (ranks that arrived give their cores to the rest), the part after the
+               arrival does not
   tensor bytes the peak, over one extra step sampled at every leaf module's forward,
                every gradient's accumulation and after the optimizer step, of the
                bytes of unique storages a rank holds as parameters (sharded, or

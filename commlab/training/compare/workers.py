@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import resource
 import time
 
@@ -41,17 +42,49 @@ def arrival_hook(log, bucket):
     return hooks.noop_hook(None, bucket)
 
 
-def arrival_skew_ms(logs: list[list]) -> float | None:
-    """The median over iterations of how far apart, from a common start, the ranks
-    reach their first bucket: what the first to get there waits in the first
-    all-reduce, whatever that all-reduce costs."""
-    first: dict[int, list[float]] = {}
-    for log in logs:
-        for i, b, t in log:
-            if b == 0:
-                first.setdefault(i, []).append(t)
-    spreads = sorted(max(ts) - min(ts) for ts in first.values() if len(ts) == len(logs))
-    return spreads[len(spreads) // 2] * 1e3 if spreads else None
+def synchronised_arrivals(offsets: list[float], cores: int) -> list[float]:
+    """When each rank reaches a synchronisation, given how far behind the first it reaches
+    it when no rank ever waits (offsets, s): ranks outnumbering cores share them (each
+    min(1, cores/ranks) of one), and a rank that arrived sleeps in the collective, so the
+    ones still computing split its core — processor sharing, as predict's shared cores."""
+    n, first = len(offsets), min(offsets)
+    work = {r: (o - first) * min(1.0, cores / n) for r, o in enumerate(offsets)}  # core-seconds behind
+    arrived = {r: 0.0 for r, w in work.items() if w <= 0}
+    t = 0.0
+    while len(arrived) < n:
+        running = [r for r in work if r not in arrived]
+        rate = min(1.0, cores / len(running))
+        nxt = min(running, key=lambda r: work[r])
+        dt = work[nxt] / rate
+        t += dt
+        for r in running:
+            work[r] -= dt * rate
+            if r == nxt or work[r] <= 1e-12:
+                arrived[r] = t
+    return [arrived[r] for r in range(n)]
+
+
+def arrival_skew_ms(logs: list[list], cores: int) -> float | None:
+    """The waiting for the last rank a synchronising mode's table would show, predicted from
+    the compute-only step (ddp:noop, whose ranks never wait): per iteration how long after
+    its own start each rank hands over its last bucket (the end of backward), those
+    arrivals as they would come once early ranks wait and give their cores away
+    (synchronised_arrivals), then compare's own statistic — per rank the mean over
+    iterations of its wait for the last, the largest rank's."""
+    ends: dict[int, dict[int, float]] = {}
+    for rank, log in enumerate(logs):
+        for i, _bucket, t in log:
+            mine = ends.setdefault(i, {})
+            mine[rank] = max(t, mine.get(rank, 0.0))
+    its = [d for d in ends.values() if len(d) == len(logs)]
+    if not its:
+        return None
+    waits = [0.0] * len(logs)
+    for d in its:
+        arrived = synchronised_arrivals([d[r] for r in range(len(logs))], cores)
+        for r, a in enumerate(arrived):
+            waits[r] += (max(arrived) - a) / len(its)
+    return max(waits) * 1e3
 
 
 def optimizer_step(opt, scaler) -> None:
@@ -217,7 +250,7 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     if mode == "ddp:noop" and not cuda:  # one clock: the ranks of one machine
         logs = [None] * world
         dist.all_gather_object(logs, [t for t in arrivals["times"] if t[0] >= args["warmup"]])
-        skew = arrival_skew_ms(logs)
+        skew = arrival_skew_ms(logs, len(os.sched_getaffinity(0)))
     return {"times": slowest.cpu().tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": mem,
             "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"],
             "arrival_skew_ms": skew, "comm_bytes": per_step[-1]["bytes"], **tensors, "params": params,

@@ -33,7 +33,7 @@ class Profile:
     fits: dict = field(default_factory=dict)  # collective -> algorithm -> {alpha_us, beta_us_per_byte, gamma_us_per_byte}
     measured: dict = field(default_factory=dict)  # collective -> algorithm -> [[bytes, µs], ...]: the bench's own rows
     overlap: bool = True  # False where ranks outnumber cores: communication shares the cores backward needs
-    arrival_skew_ms: float = 0.0  # how far apart ranks reach their first bucket (ddp:noop): the first to arrive waits
+    arrival_skew_ms: float = 0.0  # the wait for the last rank a synchronising mode shows (from ddp:noop's arrivals)
     optimizer_ms: float | None = None  # of compute_ms, the optimizer step (ddp:noop): shared out by bytes, not FLOPs
     copy_us_per_byte: float | None = None  # this host: a byte read or written by a copy (a third of the bench's γ)
     first_touch_us_per_byte: float = 0.0  # this host: a fresh buffer's page faults per byte, with ranks sharing cores
@@ -281,9 +281,9 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
     it = earlier + fwd + bwd + slowed + exposed + opt
     busy = 100.0 * (earlier + fwd + bwd + opt + exposed) / it
     if total:
-        # A rank that reaches the first bucket early waits there for the last: compare
-        # reports the busiest rank's sync, so that wait is in it; the iteration (the
-        # slowest rank's) already holds it in the measured compute.
+        # A rank that ends backward early waits for the last: compare reports the busiest
+        # rank's sync, so that wait is in it; the iteration (the slowest rank's) already
+        # holds it in the measured compute.
         waiting = prof.arrival_skew_ms * 1e3
         total += waiting
         exposed += waiting
@@ -348,7 +348,7 @@ def state_bytes(st: Step) -> float:
 
 def _row(mode, s, it_us, mem, util, total_us, exposed_us, breakdown, held=None, comm_bytes=None,
          waiting_us: float = 0.0) -> dict:
-    """waiting_us: the part of exposed_us charged for the ranks' arrival skew (compare's
+    """waiting_us: the part of exposed_us charged for waiting on the last rank (compare's
     exposed sync after the last rank's arrival is the rest)."""
     row = {"mode": mode, "status": "ok", "reason": "", "predicted": True,
            "iter_ms": {"median": it_us / 1e3, "p90": it_us / 1e3},
