@@ -72,10 +72,11 @@ want tests && step tests_cuda 120 "${PYTEST[@]}" tests/test_reduce_kernels.py te
 BENCH=(python3 -m commlab.allreduce_bench --device cuda --backend gloo --budget 0.1 --rounds 2 --quiet)
 want bench && step bench_2 70 "${BENCH[@]}" --world-size 2 --algorithms builtin,ipc -b 4K -e 64M -f 4
 
+# The lent GPU's own profile for predict's columns (an H100 or an H200 lease).
+PROFILE=$(python3 -c "import torch; n = torch.cuda.get_device_name(0).upper(); print(next((p for k, p in (('H100', 'h100-sxm-nvlink'), ('A100', 'a100-sxm-nvlink'), ('4090', 'rtx4090-pcie4')) if k in n), 'h200-sxm-nvlink'))")
+
 # Measured beside commlab.predict's columns for this GPU (issue #18): the roofline's
 # compute against the real kernels.
-# The lent GPU's own profile (an H100 or an H200 lease).
-PROFILE=$(python3 -c "import torch; n = torch.cuda.get_device_name(0).upper(); print(next((p for k, p in (('H100', 'h100-sxm-nvlink'), ('A100', 'a100-sxm-nvlink'), ('4090', 'rtx4090-pcie4')) if k in n), 'h200-sxm-nvlink'))")
 want compare && step compare_1gpu 120 python3 -m commlab.compare --device cuda --gpus 1 --world-size 1 \
   --modes dp,ddp,ddp:noop --model resnet50 --batch-size 64 --iters 10 --warmup 3 --predict "$PROFILE"
 
@@ -103,7 +104,8 @@ want probe && step p2p_shared_gpu_probe 45 env COMMLAB_IPC_PATH=peer python3 -m 
   --backend gloo --world-size 2 --algorithms ipc -b 4K -e 1M -f 16 --timeout 20 --budget 0.1 --rounds 1 --quiet
 status=$before  # the probe's outcome is reported, not judged
 
-# compare --trace on the GPU (#29): the host's spans and DDP's bucket futures, written and read back.
+# compare --trace on the GPU (#29): the host's compute spans written and read back (the collectives' time is
+# the device's, from the profiled warm-up step, so no per-call spans there).
 want trace && step compare_trace_1gpu 60 python3 -m commlab.compare --device cuda --gpus 1 --world-size 1 \
   --modes ddp,zero1,fsdp --model transformer --width 256 --depth 2 --batch-size 16 --iters 3 --warmup 1 \
   --trace /tmp/commlab-gpu-trace
