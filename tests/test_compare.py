@@ -32,6 +32,11 @@ def test_compare_cpu_modes(tmp_path, extra):
         # this-host's compute is the measured compute-only step; communication adds to it.
         assert pred["ddp:noop"]["iter_ms"]["median"] == pytest.approx(modes["ddp:noop"]["iter_ms"]["median"])
         assert modes["ddp:noop"]["arrival_skew_ms"] >= 0
+        # The ends of backward the wait is predicted from: one per timed iteration, each inside
+        # its own iteration (the measuring step after the timed ones counted as part of the
+        # last, whose end of backward then came an extra step late).
+        ends, its = modes["ddp:noop"]["backward_end_ms"], modes["ddp:noop"]["iteration_ms"]
+        assert len(ends) == len(its) == 3 and all(0 < e <= t for e, t in zip(ends, its)), (ends, its)
         for name in ("ddp", "ddp:ring", "ddp:shm"):
             assert pred[name]["iter_ms"]["median"] > pred["ddp:noop"]["iter_ms"]["median"]
             assert pred[name]["grad_sync_ms"]["total"] > 0

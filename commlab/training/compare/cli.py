@@ -104,7 +104,9 @@ def run_ddp_mode(mode: str, world: int, args: dict, rank_fn=workers.ddp_rank) ->
         "grad_sync_ms": {"total": max(r["sync_total"] for r in res), "exposed": exposed,
                          "after_arrival": after if after is not None else (0.0 if exposed == 0 else None)},
         "final_loss": res[0]["loss"],
-        **({"arrival_skew_ms": res[0]["arrival_skew_ms"]} if res[0].get("arrival_skew_ms") is not None else {}),
+        # ddp:noop: what this-host's wait for the last rank is predicted from, per timed iteration.
+        **({"arrival_skew_ms": res[0]["arrival_skew_ms"], "backward_end_ms": res[0]["backward_end_ms"],
+            "iteration_ms": [t * 1e3 for t in res[0]["times"]]} if res[0].get("arrival_skew_ms") is not None else {}),
         **({"optimizer_ms": max(r["optimizer_ms"] for r in res)} if res[0].get("optimizer_ms") is not None else {}),
         **({"tensor_mb": max(r["tensor_mb"] for r in res),
             "tensor_breakdown_mb": max(res, key=lambda r: r["tensor_mb"])["tensor_breakdown_mb"]}

@@ -64,6 +64,21 @@ def synchronised_arrivals(offsets: list[float], cores: int) -> list[float]:
     return [arrived[r] for r in range(n)]
 
 
+def _ends(logs: list[list]) -> dict[int, dict[int, float]]:
+    """iteration -> rank -> its last bucket's hand-over (s after its own start)."""
+    ends: dict[int, dict[int, float]] = {}
+    for rank, log in enumerate(logs):
+        for i, _bucket, t in log:
+            mine = ends.setdefault(i, {})
+            mine[rank] = max(t, mine.get(rank, 0.0))
+    return ends
+
+
+def backward_ends_ms(logs: list[list]) -> list[float]:
+    """Per timed iteration, the latest rank's end of backward after its own start (ddp:noop)."""
+    return [max(d.values()) * 1e3 for _i, d in sorted(_ends(logs).items())]
+
+
 def arrival_skew_ms(logs: list[list], cores: int) -> float | None:
     """The waiting for the last rank a synchronising mode's table would show, predicted from
     the compute-only step (ddp:noop, whose ranks never wait): per iteration how long after
@@ -71,12 +86,7 @@ def arrival_skew_ms(logs: list[list], cores: int) -> float | None:
     arrivals as they would come once early ranks wait and give their cores away
     (synchronised_arrivals), then compare's own statistic — per rank the mean over
     iterations of its wait for the last, the largest rank's."""
-    ends: dict[int, dict[int, float]] = {}
-    for rank, log in enumerate(logs):
-        for i, _bucket, t in log:
-            mine = ends.setdefault(i, {})
-            mine[rank] = max(t, mine.get(rank, 0.0))
-    its = [d for d in ends.values() if len(d) == len(logs)]
+    its = [d for d in _ends(logs).values() if len(d) == len(logs)]
     if not its:
         return None
     waits = [0.0] * len(logs)
@@ -220,6 +230,9 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
             arrivals["iteration"], arrivals["start"] = i, t0
         loss = step(i)
         times.append(time.perf_counter() - t0)
+    if mode == "ddp:noop":
+        arrivals["iteration"] = -1  # the measuring step below is not a timed iteration (it kept the last one's)
+    optimizer_ms = sorted(opt_times)[len(opt_times) // 2] * 1e3 if opt_times else None  # the timed steps'
     if sampler is not None:
         util = (sampler.stop() or [None])[0]
     else:
@@ -246,15 +259,16 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         emulate_memory_limit(peak_rss, rss_before_model, args["mem_limit_mb"])
     if isinstance(state, hooks.CommState):
         state.close()
-    skew = None
+    skew = ends = None
     if mode == "ddp:noop" and not cuda:  # one clock: the ranks of one machine
         logs = [None] * world
         dist.all_gather_object(logs, [t for t in arrivals["times"] if t[0] >= args["warmup"]])
         skew = arrival_skew_ms(logs, len(os.sched_getaffinity(0)))
+        ends = backward_ends_ms(logs)
     return {"times": slowest.cpu().tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": mem,
             "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"],
-            "arrival_skew_ms": skew, "comm_bytes": per_step[-1]["bytes"], **tensors, "params": params,
-            "optimizer_ms": sorted(opt_times)[len(opt_times) // 2] * 1e3 if opt_times else None, "trace": traced}
+            "arrival_skew_ms": skew, "backward_end_ms": ends, "comm_bytes": per_step[-1]["bytes"], **tensors,
+            "params": params, "optimizer_ms": optimizer_ms, "trace": traced}
 
 
 def _tensor_bytes_and_params(ddp, opt, one_step, args: dict) -> tuple[dict, list | None]:
