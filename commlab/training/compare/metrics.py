@@ -55,6 +55,12 @@ def profiled_comm_ms(step) -> float:
     return comm_time_ms(prof.events())
 
 
+def _is_comm(event) -> bool:
+    """A device event that is communication: an NCCL kernel or a peer-to-peer copy."""
+    name = event.name.lower()
+    return "nccl" in name or "ptop" in name
+
+
 def comm_time_ms(events) -> float:
     """Per device, the summed duration of communication kernels and copies (NCCL
     kernels, "Memcpy PtoP"); the largest per-device sum, in ms."""
@@ -64,8 +70,7 @@ def comm_time_ms(events) -> float:
     for e in events:
         if e.device_type != DeviceType.CUDA:
             continue
-        name = e.name.lower()
-        if "nccl" in name or "ptop" in name:
+        if _is_comm(e):
             per_device[e.device_index] = per_device.get(e.device_index, 0.0) + e.time_range.elapsed_us()
     return max(per_device.values(), default=0.0) / 1e3
 
@@ -124,8 +129,7 @@ def comm_overlap_ms(events) -> dict:
     for e in events:
         if e.device_type != DeviceType.CUDA:
             continue
-        name = e.name.lower()
-        into = comm if "nccl" in name or "ptop" in name else other
+        into = comm if _is_comm(e) else other
         into.setdefault(e.device_index, []).append((e.time_range.start, e.time_range.end))
     best = {"total": 0.0, "exposed": 0.0}
     for d, spans in comm.items():
