@@ -59,9 +59,7 @@ def _sharded_modes(device: str) -> list[str]:
 
 def _sharded_refusal(args: dict) -> str | None:
     """Why a sharded mode cannot run on this GPU setup, or None."""
-    if args["device"] != "cuda":
-        return None
-    if args["share_gpu"]:
+    if args["device"] == "cuda" and args["share_gpu"]:
         return "the sharded modes run over NCCL with a GPU per rank; --share-gpu runs gloo, whose CUDA " \
                "collectives FSDP2 does not use"
     return None
