@@ -37,6 +37,9 @@ def test_compare_cpu_modes(tmp_path, extra):
         # last, whose end of backward then came an extra step late).
         ends, its = modes["ddp:noop"]["backward_end_ms"], modes["ddp:noop"]["iteration_ms"]
         assert len(ends) == len(its) == 3 and all(0 < e <= t for e, t in zip(ends, its)), (ends, its)
+        # And what FSDP's waits are predicted from: the drift between every pair of units.
+        assert set(modes["ddp:noop"]["unit_waits_ms"]) == {"fbe", "fe"}
+        assert all(w >= 0 for w in modes["ddp:noop"]["unit_waits_ms"].values())
         for name in ("ddp", "ddp:ring", "ddp:shm"):
             assert pred[name]["iter_ms"]["median"] > pred["ddp:noop"]["iter_ms"]["median"]
             assert pred[name]["grad_sync_ms"]["total"] > 0
@@ -290,6 +293,44 @@ def test_the_waiting_predicted_from_the_compute_only_step_shares_the_cores_of_ra
     assert workers.arrival_skew_ms(logs, cores=2) == pytest.approx(125.0)
     assert workers.arrival_skew_ms([log(1.0), log(1.0)], cores=2) == 0.0
     assert workers.arrival_skew_ms([[], log(1.0)], cores=2) is None  # no iteration every rank finished
+
+
+def test_fsdp_waits_are_the_drift_between_every_pair_of_units():
+    """FSDP synchronises at every unit (its forward's all-gather, backward's, and the
+    reduce-scatter at backward's end), so its ranks drift apart and wait at every one:
+    the compute-only step's marks, each stretch between consecutive marks turned into
+    arrivals with the cores shared, the waits summed over the step (docs/measurements.md)."""
+    import torch
+
+    from commlab.training import workloads
+    from commlab.training.compare import workers
+
+    def marks(*its):  # per iteration: (kind, seconds after the rank's own start), in order
+        return [(i, kind, k, t) for i, it in enumerate(its) for k, (kind, t) in enumerate(it)]
+
+    # Two ranks with a core each: the stretches are 1.0/1.2 s (rank 0 waits 0.2 s at the
+    # second unit) then 1.0/0.9 (rank 1 waits 0.1 s at the third); a b mark is no
+    # synchronisation without resharding. The largest rank's: 200 ms, where the ends' one
+    # spread (DDP's single synchronisation) reads 100.
+    a = marks([("f", 0.0), ("f", 1.0), ("b", 1.5), ("e", 2.0)])
+    b = marks([("f", 0.0), ("f", 1.2), ("b", 1.8), ("e", 2.1)])
+    assert workers.unit_waits_ms([a, b], 2, "fe") == pytest.approx(200.0)
+    # Resharded, b synchronises too: 0.5/0.6 s (rank 0 waits 0.1 more), 0.5/0.3 (rank 1 0.2).
+    assert workers.unit_waits_ms([a, b], 2, "fbe") == pytest.approx(300.0)
+    # Two ranks on one core: a rank that arrived sleeps and the other runs alone, twice as
+    # fast, so each wait halves (0.1 and 0.05 s).
+    assert workers.unit_waits_ms([a, b], 1, "fe") == pytest.approx(100.0)
+    assert workers.unit_waits_ms([a, []], 2, "fe") is None  # no iteration every rank finished
+    # ddp:noop marks where FSDP2 synchronises: the root's forward, then each block's forward,
+    # backward and backward's end (the root's reduce-scatter is the last bucket's hand-over).
+    wl = workloads.build("transformer", width=32, depth=2)
+    log = {"iteration": 0, "start": 0.0, "marks": []}
+    workers.mark_units(wl.model, log)
+    x, y = wl.make_batch(2, seed=0, device=torch.device("cpu"))
+    wl.loss(wl.model(x), y).backward()
+    assert [(kind, k) for _, kind, k, _ in log["marks"]] == [("f", -1), ("f", 0), ("f", 1), ("b", 1), ("e", 1),
+                                                              ("b", 0), ("e", 0)]
+    assert [t for *_, t in log["marks"]] == sorted(t for *_, t in log["marks"])
 
 
 def test_the_exposed_sync_splits_at_the_last_ranks_arrival():

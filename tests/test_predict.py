@@ -317,6 +317,39 @@ def test_this_host_fits_every_collective_the_sharded_modes_use():
         2 * 1e-4 * outputs, rel=1e-6)
 
 
+def test_this_host_charges_fsdp_the_waits_at_every_unit():
+    """FSDP synchronises at every unit (each block's all-gathers and reduce-scatter), so its
+    ranks wait at every one: this host charges the waits ddp:noop's marks give for those
+    synchronisations (resharded: each block's forward, backward and backward's end; not:
+    forward and backward's end), where DDP and ZeRO-1 keep the one figure per step their
+    single synchronisation sees."""
+    from commlab import algorithms
+
+    p, a, b = 4, 30.0, 2e-3
+    names = ("shm", "builtin")  # fsdp:shm's, and FSDP2's own (gloo's) that fsdp:noreshard calls
+
+    def bench(collective):
+        rows = [{"algorithm": n, "bytes": x, "time_us": algorithms.registry(collective).get(n).cost(p, x).time(
+            a, b, 0.0)} for n in names for x in (4096, 65536, 1 << 20, 16 << 20)]
+        return {"collective": collective, "env": {"world_size": p, "gamma_us_per_byte": 3e-4}, "results": rows}
+
+    benches = [bench(c) for c in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")]
+    kw = dict(compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0)
+    base = M.this_host(benches, **kw)
+    units = M.this_host(benches, **kw, unit_waits_ms={"fbe": 70.0, "fe": 30.0, "unused": None})
+    assert units.unit_waits_ms == {"fbe": 70.0, "fe": 30.0}
+    s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
+    steps = M.Steps(s)
+    modes = ["ddp", "zero1", "fsdp:shm", "fsdp:noreshard"]
+    before = {r["mode"]: r["grad_sync_ms"] for r in M.predict(modes, s, base, steps)}
+    after = {r["mode"]: r["grad_sync_ms"] for r in M.predict(modes, s, units, steps)}
+    for mode, wait in (("ddp", 5.0), ("zero1", 5.0), ("fsdp:shm", 70.0), ("fsdp:noreshard", 30.0)):
+        # Without the marks every mode is charged the one figure per step (5 ms).
+        assert before[mode]["exposed"] - before[mode]["after_arrival"] == pytest.approx(5.0), mode
+        assert after[mode]["exposed"] - after[mode]["after_arrival"] == pytest.approx(wait), mode
+        assert after[mode]["after_arrival"] == pytest.approx(before[mode]["after_arrival"]), mode
+
+
 def test_this_host_prices_a_call_from_the_bench_times_around_its_size():
     """Between two sizes the bench timed, a call costs what the bench measured there,
     interpolated; the α-β fit only past them. gloo's all-gather grows faster than linearly

@@ -104,6 +104,7 @@ def run_ddp_mode(mode: str, world: int, args: dict, rank_fn=workers.ddp_rank) ->
         "final_loss": res[0]["loss"],
         # ddp:noop: what this-host's wait for the last rank is predicted from, per timed iteration.
         **({"arrival_skew_ms": res[0]["arrival_skew_ms"], "backward_end_ms": res[0]["backward_end_ms"],
+            "unit_waits_ms": res[0]["unit_waits_ms"],
             "iteration_ms": [t * 1e3 for t in res[0]["times"]]} if res[0].get("arrival_skew_ms") is not None else {}),
         **({"optimizer_ms": max(r["optimizer_ms"] for r in res)} if res[0].get("optimizer_ms") is not None else {}),
         **({"tensor_mb": max(r["tensor_mb"] for r in res),
@@ -160,7 +161,8 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
         from commlab.measure.costmodel import measure_first_touch_us_per_byte
 
         prof = M.this_host(benches, noop["iter_ms"]["median"], world, len(os.sched_getaffinity(0)),
-                           noop.get("arrival_skew_ms", 0.0), noop.get("optimizer_ms"), measure_first_touch_us_per_byte())
+                           noop.get("arrival_skew_ms", 0.0), noop.get("optimizer_ms"), measure_first_touch_us_per_byte(),
+                           noop.get("unit_waits_ms"))
     else:
         prof = M.load_profile(profile)
     rows = M.predict(wanted, s, prof)

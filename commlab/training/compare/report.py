@@ -32,8 +32,10 @@ DEFINITIONS = """\
                being a wait for a slower rank. Every
                figure is the largest rank's; predicted: the exposed time charges the
                wait for the last rank predicted from ddp:noop's ends of backward
-               (ranks that arrived give their cores to the rest), the part after the
-               arrival does not
+               (ranks that arrived give their cores to the rest; FSDP's: the same
+               between every pair of units it synchronises at, from ddp:noop's marks
+               of each block's forward, backward and backward's end), the part after
+               the arrival does not
   tensor bytes the peak, over one extra step sampled at every leaf module's forward,
                every gradient's accumulation and after the optimizer step, of the
                bytes of unique storages a rank holds as parameters (sharded, or

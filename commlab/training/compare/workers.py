@@ -97,6 +97,49 @@ def arrival_skew_ms(logs: list[list], cores: int) -> float | None:
     return max(waits) * 1e3
 
 
+def unit_waits_ms(marks: list[list], cores: int, kinds: str) -> float | None:
+    """The waiting a step that synchronises at every FSDP unit would show, predicted from
+    the compute-only step's marks (ddp:noop: per rank (iteration, kind, block, s after its
+    own start); kinds: f a unit's forward, b its backward's start, e its backward's end —
+    where FSDP all-gathers and reduce-scatters). Each stretch between consecutive marks,
+    every rank's duration of it turned into arrivals with the cores shared
+    (synchronised_arrivals), each rank's waits summed over the step; per rank the mean
+    over iterations, the largest rank's (compare's statistic). A step that synchronises at
+    every unit drifts apart at every unit: one figure per step (arrival_skew_ms) is DDP's."""
+    seq: dict[int, dict[int, list[float]]] = {}
+    for rank, log in enumerate(marks):
+        for i, kind, _block, t in log:
+            if kind in kinds:
+                seq.setdefault(i, {}).setdefault(rank, []).append(t)
+    its = [d for d in seq.values() if len(d) == len(marks) and len({len(v) for v in d.values()}) == 1]
+    if not its:
+        return None
+    waits = [0.0] * len(marks)
+    for d in its:
+        times = [sorted(d[r]) for r in range(len(marks))]
+        for j in range(1, len(times[0])):
+            arrived = synchronised_arrivals([ts[j] - ts[j - 1] for ts in times], cores)
+            for r, a in enumerate(arrived):
+                waits[r] += (max(arrived) - a) / len(its)
+    return max(waits) * 1e3
+
+
+def mark_units(model, log: dict) -> None:
+    """ddp:noop: note on log["marks"] when each FSDP unit's forward, backward and backward's
+    end come (what unit_waits_ms reads), on the clock of log["start"]: the blocks', and the
+    root's forward (-1: gathered before the whole forward; its reduce-scatter, after the whole
+    backward, is the last bucket's hand-over: the root's own backward hook fires at backward's
+    start where its input, token ids, needs no gradient)."""
+    def mark(kind, k):
+        return lambda *_: log["marks"].append((log["iteration"], kind, k, time.perf_counter() - log["start"]))
+
+    model.register_forward_pre_hook(mark("f", -1))
+    for k, block in enumerate(workloads.blocks(model)):
+        block.register_forward_pre_hook(mark("f", k))
+        block.register_full_backward_pre_hook(mark("b", k))
+        block.register_full_backward_hook(mark("e", k))
+
+
 def optimizer_step(opt, scaler) -> None:
     """One optimizer step, through the GradScaler when fp16 AMP uses one."""
     if scaler:
@@ -163,8 +206,9 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         ddp.register_comm_hook(state, timed_default_hook)
     elif mode == "ddp:noop":
         state = None
-        arrivals = {"iteration": -1, "start": 0.0, "times": []}
+        arrivals = {"iteration": -1, "start": 0.0, "times": [], "marks": []}
         ddp.register_comm_hook(arrivals, arrival_hook)
+        mark_units(wl.model, arrivals)
     else:
         state = hooks.CommState(mode.split(":", 1)[1])
         hooks.register(ddp, state)
@@ -259,15 +303,20 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         emulate_memory_limit(peak_rss, rss_before_model, args["mem_limit_mb"])
     if isinstance(state, hooks.CommState):
         state.close()
-    skew = ends = None
+    skew = ends = units = None
     if mode == "ddp:noop" and not cuda:  # one clock: the ranks of one machine
-        logs = [None] * world
+        logs, marks = [None] * world, [None] * world
         dist.all_gather_object(logs, [t for t in arrivals["times"] if t[0] >= args["warmup"]])
-        skew = arrival_skew_ms(logs, len(os.sched_getaffinity(0)))
+        root_end = [(i, "e", -1, max(ranks.values())) for i, ranks in _ends([arrivals["times"]]).items()]
+        dist.all_gather_object(marks, [t for t in arrivals["marks"] + root_end if t[0] >= args["warmup"]])
+        cores = len(os.sched_getaffinity(0))
+        skew = arrival_skew_ms(logs, cores)
         ends = backward_ends_ms(logs)
+        # FSDP synchronises at each block's forward, backward (resharded) and backward's end.
+        units = {kinds: unit_waits_ms(marks, cores, kinds) for kinds in ("fbe", "fe")}
     return {"times": slowest.cpu().tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": mem,
             "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"],
-            "arrival_skew_ms": skew, "backward_end_ms": ends, "comm_bytes": per_step[-1]["bytes"], **tensors,
+            "arrival_skew_ms": skew, "backward_end_ms": ends, "unit_waits_ms": units, "comm_bytes": per_step[-1]["bytes"], **tensors,
             "params": params, "optimizer_ms": optimizer_ms, "trace": traced}
 
 

@@ -37,6 +37,9 @@ class Profile:
     optimizer_ms: float | None = None  # of compute_ms, the optimizer step (ddp:noop): shared out by bytes, not FLOPs
     copy_us_per_byte: float | None = None  # this host: a byte read or written by a copy (a third of the bench's γ)
     first_touch_us_per_byte: float = 0.0  # this host: a fresh buffer's page faults per byte, with ranks sharing cores
+    # this host, FSDP: the wait for the last rank summed over a step's units, from ddp:noop's marks (key: the
+    # synchronisations, "fbe" resharded: each unit's forward, backward and backward's end; "fe" not resharded)
+    unit_waits_ms: dict = field(default_factory=dict)
 
 
 def profile_names() -> list[str]:
@@ -52,7 +55,8 @@ def load_profile(name: str) -> Profile:
 
 
 def this_host(benches: list[dict], compute_ms: float, ranks: int, cores: int, arrival_skew_ms: float = 0.0,
-              optimizer_ms: float | None = None, first_touch_us_per_byte: float = 0.0) -> Profile:
+              optimizer_ms: float | None = None, first_touch_us_per_byte: float = 0.0,
+              unit_waits_ms: dict | None = None) -> Profile:
     """This machine, measured: each algorithm's times from bench runs (one per collective)
     at the world size compared, interpolated between the sizes timed, and their α, β, γ
     fit beyond them; the compute-only step and how far apart the ranks reach their first
@@ -75,6 +79,7 @@ def this_host(benches: list[dict], compute_ms: float, ranks: int, cores: int, ar
                    compute_ms=compute_ms, overlap=ranks < cores, arrival_skew_ms=arrival_skew_ms or 0.0, fits=fits,
                    measured={c: {a: sorted(rows) for a, rows in by.items()} for c, by in measured.items()},
                    optimizer_ms=optimizer_ms,
+                   unit_waits_ms={k: v for k, v in (unit_waits_ms or {}).items() if v is not None},
                    # γ: one element-wise SUM per byte of input, three bytes of traffic (two reads, one write)
                    copy_us_per_byte=gammas[0] / 3 if gammas else None,
                    # measured on one idle process: stretched as each rank gets cores/ranks of a core

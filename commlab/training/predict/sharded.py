@@ -242,8 +242,9 @@ def predict(mode: str, s, prof, steps) -> dict:
         it, held, comm, facts = _fsdp(mode, p, st, t, prof, M.collective_us, s.accum_steps)
         total = facts.pop("comm_us")
         exposed = min(total, it - compute - facts["optimizer_ms"] * 1e3)  # the copies are not the collectives'
-        # As predict_ddp: a rank that reaches a collective first waits there for the last.
-        waiting = prof.arrival_skew_ms * 1e3
+        # As predict_ddp, a rank that reaches a collective first waits there for the last; FSDP
+        # synchronises at every unit, and the ranks drift apart between units (ddp:noop's marks).
+        waiting = prof.unit_waits_ms.get("fe" if mode == "fsdp:noreshard" else "fbe", prof.arrival_skew_ms) * 1e3
         total, exposed = total + waiting, exposed + waiting
         info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, **facts, "per_device_batch": b, **M._micro(s)}
     busy = 100.0  # as predict_ddp's: NVML counts a collective's kernels as busy, and nothing else waits
