@@ -158,10 +158,10 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
             return [{"mode": m, "status": "unavailable", "predicted": True,
                      "reason": "this-host needs the measured compute-only step (ddp:noop), which failed"} for m in wanted]
         benches = [host_bench(world, c, names) for c, names in host_collectives(wanted).items()]
-        from commlab.measure.costmodel import measure_first_touch_us_per_byte
+        from commlab.measure.costmodel import measure_first_touch
 
         prof = M.this_host(benches, noop["iter_ms"]["median"], world, len(os.sched_getaffinity(0)),
-                           noop.get("arrival_skew_ms", 0.0), noop.get("optimizer_ms"), measure_first_touch_us_per_byte(),
+                           noop.get("arrival_skew_ms", 0.0), noop.get("optimizer_ms"), measure_first_touch(),
                            noop.get("unit_waits_ms"))
     else:
         prof = M.load_profile(profile)

@@ -36,7 +36,9 @@ class Profile:
     arrival_skew_ms: float = 0.0  # the wait for the last rank a synchronising mode shows (from ddp:noop's arrivals)
     optimizer_ms: float | None = None  # of compute_ms, the optimizer step (ddp:noop): shared out by bytes, not FLOPs
     copy_us_per_byte: float | None = None  # this host: a byte read or written by a copy (a third of the bench's γ)
-    first_touch_us_per_byte: float = 0.0  # this host: a fresh buffer's page faults per byte, with ranks sharing cores
+    # this host: a fresh buffer's page faults per byte, with ranks sharing cores; one rate, or [[bytes, rate], ...]
+    # measured per size (a size pays the rate at the largest size not above it: glibc recycles small buffers)
+    first_touch_us_per_byte: float | list = 0.0
     # this host, FSDP: the wait for the last rank summed over a step's units, from ddp:noop's marks (key: the
     # synchronisations, "fbe" resharded: each unit's forward, backward and backward's end; "fe" not resharded)
     unit_waits_ms: dict = field(default_factory=dict)
@@ -55,7 +57,7 @@ def load_profile(name: str) -> Profile:
 
 
 def this_host(benches: list[dict], compute_ms: float, ranks: int, cores: int, arrival_skew_ms: float = 0.0,
-              optimizer_ms: float | None = None, first_touch_us_per_byte: float = 0.0,
+              optimizer_ms: float | None = None, first_touch_us_per_byte: float | list = 0.0,
               unit_waits_ms: dict | None = None) -> Profile:
     """This machine, measured: each algorithm's times from bench runs (one per collective)
     at the world size compared, interpolated between the sizes timed, and their α, β, γ
@@ -83,7 +85,7 @@ def this_host(benches: list[dict], compute_ms: float, ranks: int, cores: int, ar
                    # γ: one element-wise SUM per byte of input, three bytes of traffic (two reads, one write)
                    copy_us_per_byte=gammas[0] / 3 if gammas else None,
                    # measured on one idle process: stretched as each rank gets cores/ranks of a core
-                   first_touch_us_per_byte=first_touch_us_per_byte * max(1.0, ranks / cores),
+                   first_touch_us_per_byte=_stretched(first_touch_us_per_byte, max(1.0, ranks / cores)),
                    sources=[{"what": ", ".join(fits), "source": "commlab.allreduce_bench at this world size, fitted"},
                             {"what": "compute_ms", "source": "commlab.compare's ddp:noop in the same run"}])
 
@@ -183,6 +185,21 @@ def collective_us(prof: Profile, collective: str, algorithm: str, p: int, nbytes
     link = prof.link
     gamma = 3 / (prof.memory_bandwidth_gbps * 1e3)  # a reduced byte: two reads and a write of device memory
     return link["call_latency_us"] + c.time(link["step_latency_us"], 1 / (link["gbps"] * 1e3), gamma)
+
+
+def _stretched(rate: float | list, by: float) -> float | list:
+    return [[n, r * by] for n, r in rate] if isinstance(rate, list) else rate * by
+
+
+def first_touch_us(prof: Profile, nbytes: float) -> float:
+    """The page faults of a freshly allocated nbytes buffer's first write (this host; 0 on
+    a hardware profile, whose caching allocator has none): at the rate measured at the
+    largest size not above it."""
+    rate = prof.first_touch_us_per_byte
+    if isinstance(rate, list):
+        below = [r for n, r in sorted(rate) if n <= nbytes]
+        rate = below[-1] if below else 0.0
+    return rate * nbytes
 
 
 def copy_us(prof: Profile, traffic_bytes: float) -> float:

@@ -94,18 +94,18 @@ def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us,
     n_fwd = sum(1 for o in st.ops if o.phase == "fwd")
     n_bwd = n_fwd + sum(1 for o in st.ops if o.phase == "bwd")
     ready = [max(st.grad_ready.get(i, n_bwd) for i in u.params) for u in blocks]  # a block's gradients complete
-    from commlab.training.predict.model import copy_us
+    from commlab.training.predict.model import copy_us, first_touch_us
 
     # FSDP2 copies around each collective: the shard into the all-gather input and the
     # output out to the parameters (u/p + u, each read and written); the gradients into
     # the reduce-scatter input and the result out to the shard (u + u/p).
     # On a host FSDP allocates each call's output fresh and the call writes it first: page
-    # faults the bench, reusing its buffers, never paid (a GPU's caching allocator has none).
-    touch = prof.first_touch_us_per_byte
-    ag = lambda n: (collective_us(prof, "all_gather", algorithm, p, n) + touch * n,  # noqa: E731
+    # faults the bench, reusing its buffers, never paid, where the allocator maps the output
+    # afresh (glibc: above its mmap threshold; a GPU's caching allocator: never).
+    ag = lambda n: (collective_us(prof, "all_gather", algorithm, p, n) + first_touch_us(prof, n),  # noqa: E731
                     copy_us(prof, 2 * (n / p + n)))
-    rs = lambda n: (collective_us(prof, "reduce_scatter", algorithm, p, n) + touch * n / p,  # noqa: E731
-                    copy_us(prof, 2 * (n + n / p)))
+    rs = lambda n: (collective_us(prof, "reduce_scatter", algorithm, p, n)  # noqa: E731
+                    + first_touch_us(prof, n / p), copy_us(prof, 2 * (n + n / p)))
     tl, held, comm = Timeline(prof.overlap), Held(), 0.0
     state = {"sgd": 0.0, "adamw": 2.0}[st.optimizer] * st.param_bytes
     held.add("parameters", st.param_bytes / p, -1.0)
