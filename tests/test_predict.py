@@ -364,6 +364,43 @@ def test_this_host_charges_fsdp_the_waits_at_every_unit():
         assert after[mode]["after_arrival"] == pytest.approx(before[mode]["after_arrival"]), mode
 
 
+def test_this_host_prices_fsdps_calls_as_training_issues_them():
+    """FSDP's collectives come after compute, the ranks arriving apart and, where they
+    outnumber the cores, the early ones asleep: this host's probe (measure.syncprobe)
+    times a call after the last arrival and how far apart the ranks leave it. Each call
+    is priced at the probe's ratio to the bench's back-to-back time, its exit spread added
+    to the wait (2026-12-05, 4 ranks on 2 cores, 12.6 MB: commlab's shm 5.6 ms a call in
+    training, 1.7 in the bench, 4.1-5.5 in the probe; docs/measurements.md)."""
+    from commlab import algorithms
+
+    p, a, b, n16 = 4, 30.0, 2e-3, 16 << 20
+    names = ("shm", "builtin")
+
+    def bench(collective):
+        rows = [{"algorithm": n, "bytes": x, "time_us": algorithms.registry(collective).get(n).cost(p, x).time(
+            a, b, 0.0)} for n in names for x in (4096, 65536, 1 << 20, n16)]
+        return {"collective": collective, "env": {"world_size": p, "gamma_us_per_byte": 3e-4}, "results": rows}
+
+    benches = [bench(c) for c in ("all_reduce", "all_gather", "reduce_scatter")]
+    kw = dict(compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0,
+              unit_waits_ms={"fbe": 7.0, "fe": 3.0})
+    base = M.this_host(benches, **kw)
+    at16 = {c: {n: M.collective_us(base, c, n, p, n16) for n in names} for c in ("all_gather", "reduce_scatter")}
+    probe = {c: {n: {"after_us": 2 * t, "exit_spread_us": 0.5 * t, "bytes": n16} for n, t in by.items()}
+             for c, by in at16.items()}
+    slow = M.this_host(benches, **kw, in_training=probe)
+    s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
+    steps = M.Steps(s)
+    for mode, drift in (("fsdp:shm", 7.0), ("fsdp:noreshard", 3.0)):
+        before = M.predict([mode], s, base, steps)[0]["grad_sync_ms"]
+        after = M.predict([mode], s, slow, steps)[0]["grad_sync_ms"]
+        assert before["exposed"] - before["after_arrival"] == pytest.approx(drift)  # no probe: the drift alone
+        # Every call twice the bench's (no page faults priced here): twice the communication.
+        assert after["after_arrival"] == pytest.approx(2 * before["after_arrival"], rel=1e-9)
+        # The wait: the drift between units, plus each call's exit spread (a quarter of its time).
+        assert after["exposed"] - after["after_arrival"] == pytest.approx(drift + 0.25 * after["after_arrival"])
+
+
 def test_this_host_prices_a_call_from_the_bench_times_around_its_size():
     """Between two sizes the bench timed, a call costs what the bench measured there,
     interpolated; the α-β fit only past them. gloo's all-gather grows faster than linearly

@@ -162,7 +162,7 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
 
         prof = M.this_host(benches, noop["iter_ms"]["median"], world, len(os.sched_getaffinity(0)),
                            noop.get("arrival_skew_ms", 0.0), noop.get("optimizer_ms"), measure_first_touch(),
-                           noop.get("unit_waits_ms"))
+                           noop.get("unit_waits_ms"), probe_in_training(world, wanted))
     else:
         prof = M.load_profile(profile)
     rows = M.predict(wanted, s, prof)
@@ -186,6 +186,22 @@ def host_collectives(modes: list[str]) -> dict[str, list[str]]:
             for c in ("all_gather", "reduce_scatter"):
                 need.setdefault(c, []).append(S.fsdp_algorithm(m))
     return {c: list(dict.fromkeys(names)) for c, names in need.items()}
+
+
+def probe_in_training(world: int, modes: list[str]) -> dict:
+    """What this-host's FSDP modes need beyond the bench: each of their all-gathers and
+    reduce-scatters called after compute (measure.syncprobe), at 16 MiB (a block of the
+    transformers compared here is 12.6 to 50 MB)."""
+    from commlab.measure import syncprobe
+
+    out: dict = {}
+    for collective, names in host_collectives([m for m in modes if m.startswith("fsdp")]).items():
+        if collective in ("all_gather", "reduce_scatter"):
+            for name in names:
+                print(f"# predicting this-host: {collective} {name} after compute (syncprobe)", file=sys.stderr,
+                      flush=True)
+                out.setdefault(collective, {})[name] = syncprobe.measure(world, collective, name, 16 << 20)
+    return out
 
 
 def host_bench(world: int, collective: str, names: list[str]) -> dict:

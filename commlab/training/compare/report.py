@@ -34,8 +34,10 @@ DEFINITIONS = """\
                wait for the last rank predicted from ddp:noop's ends of backward
                (ranks that arrived give their cores to the rest; FSDP's: the same
                between every pair of units it synchronises at, from ddp:noop's marks
-               of each block's forward, backward and backward's end), the part after
-               the arrival does not
+               of each block's forward, backward and backward's end, plus how far
+               apart the ranks leave each call), the part after the arrival does not;
+               FSDP's calls on this host at their probed ratio to the bench (calls
+               after compute: measure.syncprobe)
   tensor bytes the peak, over one extra step sampled at every leaf module's forward,
                every gradient's accumulation and after the optimizer step, of the
                bytes of unique storages a rank holds as parameters (sharded, or

@@ -42,6 +42,9 @@ class Profile:
     # this host, FSDP: the wait for the last rank summed over a step's units, from ddp:noop's marks (key: the
     # synchronisations, "fbe" resharded: each unit's forward, backward and backward's end; "fe" not resharded)
     unit_waits_ms: dict = field(default_factory=dict)
+    # this host, FSDP: each collective called after compute, as training calls it (measure.syncprobe:
+    # collective -> algorithm -> after_us, exit_spread_us at bytes): its ratio to the bench, its exit spread
+    in_training: dict = field(default_factory=dict)
 
 
 def profile_names() -> list[str]:
@@ -58,7 +61,7 @@ def load_profile(name: str) -> Profile:
 
 def this_host(benches: list[dict], compute_ms: float, ranks: int, cores: int, arrival_skew_ms: float = 0.0,
               optimizer_ms: float | None = None, first_touch_us_per_byte: float | list = 0.0,
-              unit_waits_ms: dict | None = None) -> Profile:
+              unit_waits_ms: dict | None = None, in_training: dict | None = None) -> Profile:
     """This machine, measured: each algorithm's times from bench runs (one per collective)
     at the world size compared, interpolated between the sizes timed, and their α, β, γ
     fit beyond them; the compute-only step and how far apart the ranks reach their first
@@ -82,6 +85,7 @@ def this_host(benches: list[dict], compute_ms: float, ranks: int, cores: int, ar
                    measured={c: {a: sorted(rows) for a, rows in by.items()} for c, by in measured.items()},
                    optimizer_ms=optimizer_ms,
                    unit_waits_ms={k: v for k, v in (unit_waits_ms or {}).items() if v is not None},
+                   in_training=in_training or {},
                    # γ: one element-wise SUM per byte of input, three bytes of traffic (two reads, one write)
                    copy_us_per_byte=gammas[0] / 3 if gammas else None,
                    # measured on one idle process: stretched as each rank gets cores/ranks of a core

@@ -83,6 +83,19 @@ class Held:
         return at
 
 
+def in_training(prof, collective: str, algorithm: str, p: int) -> tuple[float, float]:
+    """(how much longer a call takes after compute than the bench's back-to-back one, its
+    exit spread per µs of call) from this host's probe (measure.syncprobe) at its size;
+    (1, 0) without one (a hardware profile: one rank per device, none descheduled)."""
+    from commlab.training.predict.model import collective_us
+
+    got = prof.in_training.get(collective, {}).get(algorithm)
+    if not got or got["after_us"] <= 0:
+        return 1.0, 0.0
+    return got["after_us"] / collective_us(prof, collective, algorithm, p, got["bytes"]), \
+        got["exit_spread_us"] / got["after_us"]
+
+
 def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us,
           accum: int = 1) -> tuple[float, dict, float, dict]:
     """One FSDP step of `accum` micro-steps (t: one micro-step's op times): (iteration µs,
@@ -102,10 +115,20 @@ def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us,
     # On a host FSDP allocates each call's output fresh and the call writes it first: page
     # faults the bench, reusing its buffers, never paid, where the allocator maps the output
     # afresh (glibc: above its mmap threshold; a GPU's caching allocator: never).
-    ag = lambda n: (collective_us(prof, "all_gather", algorithm, p, n) + first_touch_us(prof, n),  # noqa: E731
-                    copy_us(prof, 2 * (n / p + n)))
-    rs = lambda n: (collective_us(prof, "reduce_scatter", algorithm, p, n)  # noqa: E731
-                    + first_touch_us(prof, n / p), copy_us(prof, 2 * (n + n / p)))
+    # Called after compute, as training calls them: this host's probe gives how much longer
+    # a call takes than the bench's back-to-back one, and how far apart the ranks leave it.
+    slow = {c: in_training(prof, c, algorithm, p) for c in ("all_gather", "reduce_scatter")}
+    exits = [0.0]  # the exit spreads summed over the step's calls: where each next wait starts from
+
+    def call(collective: str, n: float) -> float:
+        factor, spread = slow[collective]
+        us = collective_us(prof, collective, algorithm, p, n) * factor
+        exits[0] += us * spread
+        return us
+
+    ag = lambda n: (call("all_gather", n) + first_touch_us(prof, n), copy_us(prof, 2 * (n / p + n)))  # noqa: E731
+    rs = lambda n: (call("reduce_scatter", n) + first_touch_us(prof, n / p),  # noqa: E731
+                    copy_us(prof, 2 * (n + n / p)))
     tl, held, comm = Timeline(prof.overlap), Held(), 0.0
     state = {"sgd": 0.0, "adamw": 2.0}[st.optimizer] * st.param_bytes
     held.add("parameters", st.param_bytes / p, -1.0)
@@ -207,7 +230,8 @@ def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us,
     opt = sum(x for x, o in zip(t, st.ops) if o.phase == "opt") / p  # the optimizer steps the shards
     tl.run(opt)
     return tl.compute, held.peak(), comm, {"optimizer_ms": opt / 1e3, "units": len(blocks) + bool(root_bytes),
-                                          "largest_unit_mb": max(size, default=0) / 2**20, "comm_us": tl.comm_us}
+                                          "largest_unit_mb": max(size, default=0) / 2**20, "comm_us": tl.comm_us,
+                                          "exit_spread_us": exits[0]}
 
 
 def predict(mode: str, s, prof, steps) -> dict:
@@ -243,8 +267,10 @@ def predict(mode: str, s, prof, steps) -> dict:
         total = facts.pop("comm_us")
         exposed = min(total, it - compute - facts["optimizer_ms"] * 1e3)  # the copies are not the collectives'
         # As predict_ddp, a rank that reaches a collective first waits there for the last; FSDP
-        # synchronises at every unit, and the ranks drift apart between units (ddp:noop's marks).
-        waiting = prof.unit_waits_ms.get("fe" if mode == "fsdp:noreshard" else "fbe", prof.arrival_skew_ms) * 1e3
+        # synchronises at every unit, the ranks drifting apart between units (ddp:noop's marks)
+        # and leaving each call apart (the probe's exit spread).
+        drift = prof.unit_waits_ms.get("fe" if mode == "fsdp:noreshard" else "fbe", prof.arrival_skew_ms)
+        waiting = drift * 1e3 + facts.pop("exit_spread_us")
         total, exposed = total + waiting, exposed + waiting
         info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, **facts, "per_device_batch": b, **M._micro(s)}
     busy = 100.0  # as predict_ddp's: NVML counts a collective's kernels as busy, and nothing else waits

@@ -1,0 +1,106 @@
+"""Collectives as a training step issues them: each call after a stretch of compute.
+
+The bench times calls back to back, the ranks lined up by the previous call. In training
+(FSDP's all-gathers and reduce-scatters between blocks) each call follows compute, the
+ranks arrive apart, and where they outnumber the cores the early ones sleep in the call
+and must be woken when the last arrives. This probe runs that: every rank the same fixed
+work, then the call, a dozen times, and reads on the shared clock of one host (ranks of
+one machine: perf_counter is CLOCK_MONOTONIC) what compare's table reads in training:
+
+- after_us: a call's time after the last rank arrived (per rank the mean over calls,
+  the largest rank's: compare's "after the last rank arrived", per call);
+- exit_spread_us: how far apart the ranks leave it (per call the mean over ranks of the
+  last rank's end less its own): the head start the next synchronisation's wait begins
+  with, which a compute-only step never shows.
+
+2026-12-05, 4 ranks on 2 cores, 16 MiB after 50 ms of work: gloo's all-gather 20-21 ms
+after the last arrival (the bench's loop: 14), its reduce-scatter 31-36 (27), the ranks
+leaving 3-4 ms apart; commlab's shm 4-5.5 ms (the bench: 1.8 and 2.5), 2-3 ms apart. In
+training (FSDP, 12.6 MB blocks) gloo's calls took 27 ms on average and shm's 5.6
+(docs/measurements.md).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+WORK_MS = 50.0  # of one idle core per call: FSDP's blocks compute tens of ms between collectives
+REPS = 12
+SKIP = 2  # the first calls set transports up and fault buffers in
+
+
+def _matmuls_per_ms() -> float:
+    """How many 256x256 matmuls one idle core does per ms (the work unit, cache-resident
+    so its rate does not depend on what the other ranks stream)."""
+    import torch
+
+    a = torch.randn(256, 256)
+    a @ a
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            a @ a
+        best = min(best, (time.perf_counter() - t0) / 20)
+    return 1e-3 / best
+
+
+def probe_rank(rank: int, world: int, collective: str, algorithm: str, nbytes: int, matmuls: int,
+               reps: int = REPS) -> list[tuple[float, float]]:
+    """One rank: `reps` times the same work, then one call; (start, end) of each call."""
+    import torch
+    import torch.distributed as dist
+
+    from commlab.api.all_gather import all_gather
+    from commlab.api.reduce_scatter import reduce_scatter
+
+    n = max(1, nbytes // 4 // world)  # float32 elements per rank: the output's shard, the input's share
+    shard, full = torch.ones(n), torch.ones(n * world)  # reused: the page faults are priced apart
+    call = {"all_gather": lambda: all_gather(full, shard, algorithm=algorithm),
+            "reduce_scatter": lambda: reduce_scatter(shard, full, dist.ReduceOp.SUM, algorithm=algorithm)}[collective]
+    a = torch.randn(256, 256)
+    out = []
+    dist.barrier()
+    for _ in range(reps):
+        for _ in range(matmuls):
+            a @ a
+        t0 = time.perf_counter()
+        call()
+        out.append((t0, time.perf_counter()))
+        full.fill_(1.0)  # bounded values: a sum of sums would overflow in a longer run
+    return out
+
+
+def summarise(calls: list[list[tuple[float, float]]], skip: int = SKIP) -> dict:
+    """Every rank's (start, end) per call, on one clock -> after_us, exit_spread_us, wait_us
+    (per rank the mean over calls of its wait for the last arrival, the largest rank's)."""
+    ranks, n = len(calls), min(len(c) for c in calls)
+    idx = range(min(skip, n - 1), n)
+    after, waits = [[] for _ in range(ranks)], [[] for _ in range(ranks)]
+    spread = []
+    for i in idx:
+        last = max(c[i][0] for c in calls)
+        done = max(c[i][1] for c in calls)
+        for r, c in enumerate(calls):
+            start, end = c[i]
+            after[r].append(end - max(last, start))
+            waits[r].append(last - start)
+            spread.append(done - end)
+    return {"after_us": max(statistics.mean(a) for a in after) * 1e6,
+            "exit_spread_us": statistics.mean(spread) * 1e6,
+            "wait_us": max(statistics.mean(w) for w in waits) * 1e6}
+
+
+def measure(world: int, collective: str, algorithm: str, nbytes: int, work_ms: float = WORK_MS,
+            reps: int = REPS, timeout: float = 300.0) -> dict:
+    """The probe at `world` ranks of this machine: summarise's figures, with what was run."""
+    from commlab.measure import launch
+
+    matmuls = max(1, round(work_ms * _matmuls_per_ms()))
+    outcomes = launch.run_once(world, probe_rank, collective, algorithm, nbytes, matmuls, reps,
+                               backend="gloo", timeout=timeout)
+    bad = launch.report_failures(outcomes)
+    if bad:
+        raise RuntimeError(f"the {collective} {algorithm} probe failed:\n{bad}")
+    got = summarise([outcomes[r].result for r in range(world)])
+    return {**got, "bytes": nbytes, "work_ms": work_ms, "reps": reps}
