@@ -88,7 +88,7 @@ def measure_gamma_us_per_byte(dtype=None, device="cpu", nbytes: int = 8 << 20) -
     return best * 1e6 / (n * a.element_size())
 
 
-TOUCH_SIZES = [1 << k for k in range(20, 28)]  # 1 to 128 MiB, powers of two: 32 MiB, glibc's largest threshold, among them
+TOUCH_SIZES = [1 << k for k in range(20, 28)]  # 1-128 MiB by powers of two: 32 MiB (glibc's top threshold) among them
 
 
 def measure_first_touch(sizes: list[int] = TOUCH_SIZES) -> list[list]:

@@ -67,7 +67,7 @@ def probe_rank(rank: int, world: int, collective: str, algorithm: str, nbytes: i
         t0 = time.perf_counter()
         call()
         out.append((t0, time.perf_counter()))
-        full.fill_(1.0)  # bounded values: a sum of sums would overflow in a longer run
+        full.fill_(1.0)  # written between calls, as training writes the next input (some algorithms reduce in it)
     return out
 
 

@@ -208,7 +208,8 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         state = None
         arrivals = {"iteration": -1, "start": 0.0, "times": [], "marks": []}
         ddp.register_comm_hook(arrivals, arrival_hook)
-        mark_units(wl.model, arrivals)
+        if not cuda:  # the marks are read on one host's clock (below)
+            mark_units(wl.model, arrivals)
     else:
         state = hooks.CommState(mode.split(":", 1)[1])
         hooks.register(ddp, state)
@@ -316,8 +317,9 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         units = {kinds: unit_waits_ms(marks, cores, kinds) for kinds in ("fbe", "fe")}
     return {"times": slowest.cpu().tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": mem,
             "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"],
-            "arrival_skew_ms": skew, "backward_end_ms": ends, "unit_waits_ms": units, "comm_bytes": per_step[-1]["bytes"], **tensors,
-            "params": params, "optimizer_ms": optimizer_ms, "trace": traced}
+            "arrival_skew_ms": skew, "backward_end_ms": ends, "unit_waits_ms": units,
+            "comm_bytes": per_step[-1]["bytes"], **tensors, "params": params, "optimizer_ms": optimizer_ms,
+            "trace": traced}
 
 
 def _tensor_bytes_and_params(ddp, opt, one_step, args: dict) -> tuple[dict, list | None]:
