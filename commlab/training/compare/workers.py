@@ -87,14 +87,24 @@ def arrival_skew_ms(logs: list[list], cores: int) -> float | None:
     (synchronised_arrivals), then compare's own statistic — per rank the mean over
     iterations of its wait for the last, the largest rank's."""
     its = [d for d in _ends(logs).values() if len(d) == len(logs)]
-    if not its:
+    return _waits_ms([[[d[r] for r in range(len(logs))]] for d in its], cores)
+
+
+def _waits_ms(iterations: list[list[list[float]]], cores: int) -> float | None:
+    """compare's statistic of the waits predicted from unsynchronised stretches: per
+    iteration, per stretch every rank's duration (s), turned into arrivals with the cores
+    shared (synchronised_arrivals); per rank its waits summed over an iteration's stretches,
+    the mean over iterations; the largest rank's (ms). None without an iteration."""
+    if not iterations:
         return None
-    waits = [0.0] * len(logs)
-    for d in its:
-        arrived = synchronised_arrivals([d[r] for r in range(len(logs))], cores)
-        for r, a in enumerate(arrived):
-            waits[r] += (max(arrived) - a) / len(its)
-    return max(waits) * 1e3
+    waits: list[float] = []
+    for stretches in iterations:
+        for offsets in stretches:
+            arrived = synchronised_arrivals(offsets, cores)
+            waits = waits or [0.0] * len(arrived)
+            for r, a in enumerate(arrived):
+                waits[r] += (max(arrived) - a) / len(iterations)
+    return max(waits, default=0.0) * 1e3
 
 
 def unit_waits_ms(marks: list[list], cores: int, kinds: str) -> float | None:
@@ -111,17 +121,9 @@ def unit_waits_ms(marks: list[list], cores: int, kinds: str) -> float | None:
         for i, kind, _block, t in log:
             if kind in kinds:
                 seq.setdefault(i, {}).setdefault(rank, []).append(t)
-    its = [d for d in seq.values() if len(d) == len(marks) and len({len(v) for v in d.values()}) == 1]
-    if not its:
-        return None
-    waits = [0.0] * len(marks)
-    for d in its:
-        times = [sorted(d[r]) for r in range(len(marks))]
-        for j in range(1, len(times[0])):
-            arrived = synchronised_arrivals([ts[j] - ts[j - 1] for ts in times], cores)
-            for r, a in enumerate(arrived):
-                waits[r] += (max(arrived) - a) / len(its)
-    return max(waits) * 1e3
+    its = [[sorted(d[r]) for r in range(len(marks))] for d in seq.values()
+           if len(d) == len(marks) and len({len(v) for v in d.values()}) == 1]
+    return _waits_ms([[[ts[j] - ts[j - 1] for ts in times] for j in range(1, len(times[0]))] for times in its], cores)
 
 
 def mark_units(model, log: dict) -> None:
