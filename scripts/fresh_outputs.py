@@ -11,23 +11,21 @@ import time
 import torch
 import torch.distributed as dist
 
-from commlab.api.all_gather import all_gather
-from commlab.api.reduce_scatter import reduce_scatter
+from commlab.core.reduction import Op
 from commlab.measure import launch
+from commlab.measure.specs import SPECS
 
 RANKS, ROUNDS, CALLS = 4, 6, 5
 
 
 def fresh_or_reused(rank, world, algorithm, collective, nbytes):
     """Per round and kind (0 reused, 1 fresh): this rank's mean call time, rounds alternating."""
-    n = nbytes // 4 // world
-    shard, full = torch.ones(n), torch.ones(n * world)
+    spec = SPECS[collective]  # the bench's sizes and call: nbytes is the gathered output, the reduced input
+    count = spec.count(nbytes, 4, world)
+    inp, out = torch.ones(count), torch.empty(spec.output(count, world))
 
     def call(fresh):
-        if collective == "all_gather":
-            all_gather(torch.empty(n * world) if fresh else full, shard, algorithm=algorithm)
-        else:
-            reduce_scatter(torch.empty(n) if fresh else shard, full, dist.ReduceOp.SUM, algorithm=algorithm)
+        spec.run(algorithm, torch.empty(out.numel()) if fresh else out, inp, Op.SUM)
 
     call(0), call(1)
     times = {0: [], 1: []}

@@ -51,24 +51,24 @@ def probe_rank(rank: int, world: int, collective: str, algorithm: str, nbytes: i
     import torch
     import torch.distributed as dist
 
-    from commlab.api.all_gather import all_gather
-    from commlab.api.reduce_scatter import reduce_scatter
+    from commlab.core.reduction import Op
+    from commlab.measure.specs import SPECS
 
-    n = max(1, nbytes // 4 // world)  # float32 elements per rank: the output's shard, the input's share
-    shard, full = torch.ones(n), torch.ones(n * world)  # reused: the page faults are priced apart
-    call = {"all_gather": lambda: all_gather(full, shard, algorithm=algorithm),
-            "reduce_scatter": lambda: reduce_scatter(shard, full, dist.ReduceOp.SUM, algorithm=algorithm)}[collective]
+    spec = SPECS[collective]  # the bench's sizes and call: nbytes is the gathered output, the reduced input
+    count = spec.count(nbytes, 4, world)
+    inp, out = torch.ones(count), torch.empty(spec.output(count, world))  # reused: the page faults are priced apart
+    full = out if out.numel() > inp.numel() else inp
     a = torch.randn(256, 256)
-    out = []
+    calls = []
     dist.barrier()
     for _ in range(reps):
         for _ in range(matmuls):
             a @ a
         t0 = time.perf_counter()
-        call()
-        out.append((t0, time.perf_counter()))
+        spec.run(algorithm, out, inp, Op.SUM)
+        calls.append((t0, time.perf_counter()))
         full.fill_(1.0)  # written between calls, as training writes the next input (some algorithms reduce in it)
-    return out
+    return calls
 
 
 def summarise(calls: list[list[tuple[float, float]]], skip: int = SKIP) -> dict:
