@@ -274,6 +274,16 @@ def test_fsdp_schedule_hides_its_collectives_only_where_they_can_overlap():
     assert bad["fsdp:nope"]["status"] == "unavailable" and "nope" in bad["fsdp:nope"]["reason"]
 
 
+def _affine_bench(collective: str, names, p: int, a: float, b: float) -> dict:
+    """A bench JSON whose every row is the algorithm's formula at α a µs, β b µs/B (no γ),
+    4 KiB to 16 MiB: what this_host's fits and interpolation must give back."""
+    from commlab import algorithms
+
+    rows = [{"algorithm": n, "bytes": x, "time_us": algorithms.registry(collective).get(n).cost(p, x).time(a, b, 0.0)}
+            for n in names for x in (4096, 65536, 1 << 20, 16 << 20)]
+    return {"collective": collective, "env": {"world_size": p, "gamma_us_per_byte": 3e-4}, "results": rows}
+
+
 def test_this_host_fits_every_collective_the_sharded_modes_use():
     """compare --predict this-host benches what each mode calls (all-reduce for DDP's
     buckets, broadcast for ZeRO-1's parameters, all-gather and reduce-scatter by the
@@ -286,13 +296,7 @@ def test_this_host_fits_every_collective_the_sharded_modes_use():
         "all_reduce": ["builtin", "ring"], "broadcast": ["builtin"],
         "all_gather": ["builtin", "shm"], "reduce_scatter": ["builtin", "shm"]}
     p, a, b = 4, 30.0, 2e-3  # α µs, β µs/B: what the synthetic benches below are made of
-
-    def bench(collective, names):
-        rows = [{"algorithm": n, "bytes": x, "time_us": algorithms.registry(collective).get(n).cost(p, x).time(a, b, 0.0)}
-                for n in names for x in (4096, 65536, 1 << 20, 16 << 20)]
-        return {"collective": collective, "env": {"world_size": p, "gamma_us_per_byte": 3e-4}, "results": rows}
-
-    benches = [bench(c, names) for c, names in host_collectives(["ddp", "zero1", "fsdp:shm"]).items()]
+    benches = [_affine_bench(c, names, p, a, b) for c, names in host_collectives(["ddp", "zero1", "fsdp:shm"]).items()]
     prof = M.this_host(benches, compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0)
     assert prof.fits["all_gather"]["shm"]["alpha_us"] == pytest.approx(a, rel=1e-3)
     s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
@@ -337,17 +341,9 @@ def test_this_host_charges_fsdp_the_waits_at_every_unit():
     synchronisations (resharded: each block's forward, backward and backward's end; not:
     forward and backward's end), where DDP and ZeRO-1 keep the one figure per step their
     single synchronisation sees."""
-    from commlab import algorithms
-
     p, a, b = 4, 30.0, 2e-3
     names = ("shm", "builtin")  # fsdp:shm's, and FSDP2's own (gloo's) that fsdp:noreshard calls
-
-    def bench(collective):
-        rows = [{"algorithm": n, "bytes": x, "time_us": algorithms.registry(collective).get(n).cost(p, x).time(
-            a, b, 0.0)} for n in names for x in (4096, 65536, 1 << 20, 16 << 20)]
-        return {"collective": collective, "env": {"world_size": p, "gamma_us_per_byte": 3e-4}, "results": rows}
-
-    benches = [bench(c) for c in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")]
+    benches = [_affine_bench(c, names, p, a, b) for c in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")]
     kw = dict(compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0)
     base = M.this_host(benches, **kw)
     units = M.this_host(benches, **kw, unit_waits_ms={"fbe": 70.0, "fe": 30.0, "unused": None})
@@ -371,17 +367,9 @@ def test_this_host_prices_fsdps_calls_as_training_issues_them():
     is priced at the probe's ratio to the bench's back-to-back time, its exit spread added
     to the wait (2026-12-05, 4 ranks on 2 cores, 12.6 MB: commlab's shm 5.6 ms a call in
     training, 1.7 in the bench, 4.1-5.5 in the probe; docs/measurements.md)."""
-    from commlab import algorithms
-
     p, a, b, n16 = 4, 30.0, 2e-3, 16 << 20
     names = ("shm", "builtin")
-
-    def bench(collective):
-        rows = [{"algorithm": n, "bytes": x, "time_us": algorithms.registry(collective).get(n).cost(p, x).time(
-            a, b, 0.0)} for n in names for x in (4096, 65536, 1 << 20, n16)]
-        return {"collective": collective, "env": {"world_size": p, "gamma_us_per_byte": 3e-4}, "results": rows}
-
-    benches = [bench(c) for c in ("all_reduce", "all_gather", "reduce_scatter")]
+    benches = [_affine_bench(c, names, p, a, b) for c in ("all_reduce", "all_gather", "reduce_scatter")]
     kw = dict(compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0,
               unit_waits_ms={"fbe": 7.0, "fe": 3.0})
     base = M.this_host(benches, **kw)
