@@ -333,6 +333,35 @@ def test_fsdp_waits_are_the_drift_between_every_pair_of_units():
     assert [t for *_, t in log["marks"]] == sorted(t for *_, t in log["marks"])
 
 
+def test_the_units_marks_are_only_where_fsdp_synchronises():
+    """A forward during backward is checkpointing's recomputation (FSDP2 gathers once, in
+    pre-backward), and with accumulation FSDP reduce-scatters in the last micro-step only:
+    neither is a synchronisation, so ddp:noop marks neither (each mark splits a stretch in
+    two and adds a wait)."""
+    import torch
+
+    from commlab.training import workloads
+    from commlab.training.compare import workers
+
+    wl = workloads.build("mlp", width=32, depth=2)
+    model = workloads.Checkpointed(wl.model)  # two segments: the first is recomputed in backward
+    log = {"iteration": 0, "start": 0.0, "marks": []}
+    workers.mark_units(wl.model, log)
+    x, y = wl.make_batch(2, seed=0, device=torch.device("cpu"))
+    workers.micro_step(log, last=True)
+    wl.loss(model(x), y).backward()
+    kinds = [kind for _, kind, _, _ in log["marks"]]
+    assert kinds == ["f", "f", "f", "b", "e", "b", "e", "b", "e"]
+    # Two micro-steps: both gather (f and b), only the last reduce-scatters (e).
+    log["marks"].clear()
+    for last in (False, True):
+        workers.micro_step(log, last=last)
+        wl.loss(wl.model(x), y).backward()
+    kinds = [kind for _, kind, _, _ in log["marks"]]
+    assert kinds.count("f") == 2 * 4 and kinds.count("b") == 2 * 3 and kinds.count("e") == 3
+    assert kinds.index("e") > len(kinds) // 2
+
+
 def test_the_exposed_sync_splits_at_the_last_ranks_arrival():
     """compare's exposed sync is the largest rank's (rank 0: 0.5 s at the buckets, 0.4 s in
     the call); of it, the part after the last rank arrived is the communication's

@@ -133,13 +133,26 @@ def mark_units(model, log: dict) -> None:
     backward, is the last bucket's hand-over: the root's own backward hook fires at backward's
     start where its input, token ids, needs no gradient)."""
     def mark(kind, k):
-        return lambda *_: log["marks"].append((log["iteration"], kind, k, time.perf_counter() - log["start"]))
+        def note(*_):
+            if kind == "b":
+                log["backward"] = True
+            # A forward inside backward is checkpointing's recomputation (FSDP2 gathers once, in
+            # pre-backward); before the last micro-step FSDP2 keeps its gradients unreduced.
+            if (kind == "f" and log.get("backward")) or (kind == "e" and not log.get("reducing", True)):
+                return
+            log["marks"].append((log["iteration"], kind, k, time.perf_counter() - log["start"]))
+        return note
 
     model.register_forward_pre_hook(mark("f", -1))
     for k, block in enumerate(workloads.blocks(model)):
         block.register_forward_pre_hook(mark("f", k))
         block.register_full_backward_pre_hook(mark("b", k))
         block.register_full_backward_hook(mark("e", k))
+
+
+def micro_step(log: dict, last: bool) -> None:
+    """A micro-step's forward begins (mark_units' log): the last one reduce-scatters."""
+    log.update(backward=False, reducing=last)
 
 
 def optimizer_step(opt, scaler) -> None:
@@ -238,6 +251,8 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         for k in range(accum):
             x, y = wl.make_batch(micro, seed=(i * accum + k) * 1000 + rank, device=device)
             ctx = ddp.no_sync() if k < accum - 1 else contextlib.nullcontext()
+            if mode == "ddp:noop":
+                micro_step(arrivals, last=k == accum - 1)
             with ctx:
                 t0 = time.perf_counter()
                 loss = forward_loss(x, y) / accum
