@@ -29,8 +29,14 @@ def test_compare_cpu_modes(tmp_path, extra):
         assert pred["dp"]["status"] == pred["ddp:nope"]["status"] == "unavailable"
         for name in ("ddp", "ddp:ring", "ddp:shm", "ddp:noop"):
             assert MODE_KEYS <= set(pred[name]) and pred[name]["status"] == "ok", pred[name]
-        # this-host's compute is the measured compute-only step; communication adds to it.
-        assert pred["ddp:noop"]["iter_ms"]["median"] == pytest.approx(modes["ddp:noop"]["iter_ms"]["median"])
+        # this-host's compute is the measured compute-only step, run first and last and pooled;
+        # communication adds to it.
+        noops = [m for m in doc["modes"] if m["mode"] == "ddp:noop" and not m.get("predicted")]
+        assert [m.get("label") for m in noops] == ["ddp:noop (first)", "ddp:noop (last)"]
+        assert doc["modes"][0] is not None and doc["modes"][0].get("label") == "ddp:noop (first)"
+        assert "ddp:noop (first)" in proc.stdout and "ddp:noop (last)" in proc.stdout
+        pooled = sorted(t for m in noops for t in m["iteration_ms"])
+        assert pred["ddp:noop"]["iter_ms"]["median"] == pytest.approx((pooled[2] + pooled[3]) / 2)
         assert modes["ddp:noop"]["arrival_skew_ms"] >= 0
         # The ends of backward the wait is predicted from: one per timed iteration, each inside
         # its own iteration (the measuring step after the timed ones counted as part of the
@@ -45,7 +51,8 @@ def test_compare_cpu_modes(tmp_path, extra):
             assert pred[name]["grad_sync_ms"]["total"] > 0
             # The arrival skew is charged to the exposed sync, not to its part after the last arrival.
             sync = pred[name]["grad_sync_ms"]
-            assert sync["exposed"] - sync["after_arrival"] == pytest.approx(modes["ddp:noop"]["arrival_skew_ms"])
+            assert sync["exposed"] - sync["after_arrival"] == pytest.approx(
+                sum(m["arrival_skew_ms"] for m in noops) / 2)
         assert "ddp:shm (pred)" in proc.stdout
     assert modes["dp"]["status"] == "unavailable" and "CUDA" in modes["dp"]["reason"]
     assert modes["ddp:nope"]["status"] == "unavailable"
@@ -331,6 +338,30 @@ def test_fsdp_waits_are_the_drift_between_every_pair_of_units():
     assert [(kind, k) for _, kind, k, _ in log["marks"]] == [("f", -1), ("f", 0), ("f", 1), ("b", 1), ("e", 1),
                                                               ("b", 0), ("e", 0)]
     assert [t for *_, t in log["marks"]] == sorted(t for *_, t in log["marks"])
+
+
+def test_this_host_pools_the_compute_only_step_run_first_and_last():
+    """Every wait this-host predicts comes from ddp:noop, and the host's cores drift apart
+    differently from minute to minute (one run in a slow phase moved every mode's
+    prediction together): compare runs it before the first mode and after the last, and
+    predicts from both — iterations pooled, waits averaged over the runs' iterations."""
+    from commlab.training.compare import cli
+
+    def noop(its, skew, opt, fbe, status="ok"):
+        return {"mode": "ddp:noop", "status": status, "iteration_ms": its, "arrival_skew_ms": skew,
+                "optimizer_ms": opt, "unit_waits_ms": {"fbe": fbe, "fe": fbe / 2}}
+
+    rows = [noop([100.0, 110.0, 120.0], 30.0, 10.0, 60.0), {"mode": "ddp", "status": "ok"},
+            noop([200.0, 210.0, 220.0], 90.0, 20.0, 180.0), noop([1.0], 1e6, 1.0, 1.0, status="error")]
+    got = cli.compute_step(rows)
+    assert got["iter_ms"]["median"] == pytest.approx(160.0) and got["runs"] == 2
+    assert got["arrival_skew_ms"] == pytest.approx(60.0) and got["optimizer_ms"] == pytest.approx(15.0)
+    assert got["unit_waits_ms"] == pytest.approx({"fbe": 120.0, "fe": 60.0})
+    # Runs of unequal length weigh by their iterations; a run without a figure does not count.
+    rows[2] = dict(noop([200.0], 90.0, None, 180.0))
+    got = cli.compute_step(rows)
+    assert got["arrival_skew_ms"] == pytest.approx(45.0) and got["optimizer_ms"] == pytest.approx(10.0)
+    assert cli.compute_step([rows[1], rows[3]]) is None
 
 
 def test_the_units_marks_are_only_where_fsdp_synchronises():

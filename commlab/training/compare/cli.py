@@ -96,6 +96,7 @@ def run_ddp_mode(mode: str, world: int, args: dict, rank_fn=workers.ddp_rank) ->
     return {
         "mode": mode, "status": "ok", "reason": "",
         "iter_ms": iters,
+        "iteration_ms": [t * 1e3 for t in res[0]["times"]],  # every timed step, the slowest rank's
         "samples_per_s": args["batch_size"] / (iters["median"] / 1e3),
         "peak_memory_mb": [r["memory_mb"] for r in res],
         "util_percent": [r["util"] for r in res],
@@ -104,8 +105,7 @@ def run_ddp_mode(mode: str, world: int, args: dict, rank_fn=workers.ddp_rank) ->
         "final_loss": res[0]["loss"],
         # ddp:noop: what this-host's wait for the last rank is predicted from, per timed iteration.
         **({"arrival_skew_ms": res[0]["arrival_skew_ms"], "backward_end_ms": res[0]["backward_end_ms"],
-            "unit_waits_ms": res[0]["unit_waits_ms"],
-            "iteration_ms": [t * 1e3 for t in res[0]["times"]]} if res[0].get("arrival_skew_ms") is not None else {}),
+            "unit_waits_ms": res[0]["unit_waits_ms"]} if res[0].get("arrival_skew_ms") is not None else {}),
         **({"optimizer_ms": max(r["optimizer_ms"] for r in res)} if res[0].get("optimizer_ms") is not None else {}),
         **({"tensor_mb": max(r["tensor_mb"] for r in res),
             "tensor_breakdown_mb": max(res, key=lambda r: r["tensor_mb"])["tensor_breakdown_mb"]}
@@ -152,8 +152,9 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
                 amp=args["amp"], checkpoint=args["checkpoint"], optimizer=args.get("optimizer", "sgd"),
                 accum_steps=args.get("accum_steps", 1), **workloads.options(args))
     wanted = [m for m in modes if m == "dp" or m == "ddp" or m.startswith("ddp:") or S.is_sharded(m)]
+    wanted = list(dict.fromkeys(wanted))  # this-host runs ddp:noop twice: one predicted column
     if profile == "this-host":
-        noop = next((m for m in measured if m["mode"] == "ddp:noop" and m["status"] == "ok"), None)
+        noop = compute_step(measured)
         if noop is None:
             return [{"mode": m, "status": "unavailable", "predicted": True,
                      "reason": "this-host needs the measured compute-only step (ddp:noop), which failed"} for m in wanted]
@@ -169,6 +170,29 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
     for r in rows:  # what it was predicted from (this-host: the fits, the compute step), with every row
         r["profile"] = dataclasses.asdict(prof)
     return rows
+
+
+def compute_step(measured: list[dict]) -> dict | None:
+    """this-host's compute-only step from every ddp:noop run of the comparison (the first
+    and the last mode: the host's cores drift apart differently from minute to minute, so
+    one run in a slow phase moved every mode's predicted wait together): the iterations
+    pooled, the waits and the optimizer's share averaged over the runs' iterations. None
+    when no run finished."""
+    runs = [m for m in measured if m["mode"] == "ddp:noop" and m["status"] == "ok"]
+    if not runs:
+        return None
+    weights = [len(m["iteration_ms"]) for m in runs]
+
+    def mean(values: list) -> float | None:
+        have = [(v, w) for v, w in zip(values, weights) if v is not None]
+        return sum(v * w for v, w in have) / sum(w for _, w in have) if have else None
+
+    units = [m.get("unit_waits_ms") or {} for m in runs]
+    return {"iter_ms": report.iteration_summary([t / 1e3 for m in runs for t in m["iteration_ms"]]),
+            "arrival_skew_ms": mean([m.get("arrival_skew_ms") for m in runs]) or 0.0,
+            "optimizer_ms": mean([m.get("optimizer_ms") for m in runs]),
+            "unit_waits_ms": {k: mean([u.get(k) for u in units]) for k in units[0]} if units[0] else None,
+            "runs": len(runs)}
 
 
 def host_collectives(modes: list[str]) -> dict[str, list[str]]:
@@ -316,8 +340,9 @@ def main(argv=None) -> int:
         problem = check_gpus_per_rank(world, "nccl", torch.cuda.device_count())
         if problem:
             ap.error(problem + " (or pass --share-gpu for a functional check over gloo)")
-    if a.predict == "this-host" and "ddp:noop" not in modes:
-        modes.append("ddp:noop")  # this host's compute is measured, not read off a datasheet
+    if a.predict == "this-host":
+        # This host's compute is measured, not read off a datasheet: first and last (compute_step).
+        modes = ["ddp:noop"] + [m for m in modes if m != "ddp:noop"] + ["ddp:noop"]
     env = envinfo.collect(torch.device("cpu"))
     env.update(world_size=world, device=a.device, model=args["model"], batch_size=a.batch_size,
                bucket_cap_mb=caps if len(caps) > 1 else caps[0], mem_limit_mb=a.mem_limit_mb, amp=a.amp,
@@ -325,11 +350,13 @@ def main(argv=None) -> int:
     if a.share_gpu:
         env["note"] = "--share-gpu: all DDP ranks on one GPU over gloo, a functional check, not a speed figure"
     results = []
-    for mode in modes:
+    for n, mode in enumerate(modes):
         # bucket_cap_mb shapes DDP's gradient buckets: swept for the modes that communicate.
         for cap in (caps if _is_ddp(mode) and mode != "ddp:noop" else caps[:1]):
             margs = dict(args, bucket_cap_mb=cap)
             label = f"{mode} @{cap:g}MB" if len(caps) > 1 and _is_ddp(mode) and mode != "ddp:noop" else mode
+            if modes.count(mode) > 1:  # this-host's compute-only step, run first and last
+                label = f"{mode} ({'first' if n == modes.index(mode) else 'last'})"
             print(f"# running {label} ...", file=sys.stderr, flush=True)
             res = run_mode(mode, world, margs)
             if _is_ddp(mode):
