@@ -62,7 +62,9 @@ def test_compare_cpu_modes(tmp_path, extra):
         assert MODE_KEYS <= set(m)
         assert m["iter_ms"]["median"] <= m["iter_ms"]["p90"]
         assert len(m["peak_memory_mb"]) == 2 and len(m["util_percent"]) == 2
-        assert set(m["grad_sync_ms"]) == {"total", "exposed", "after_arrival"}
+        assert set(m["grad_sync_ms"]) == {"total", "exposed", "after_arrival"} | ({"exposed_se"} if name != "ddp:noop"
+                                                                                  else set())
+        assert m["grad_sync_ms"].get("exposed_se", 0) >= 0  # three timed steps: their standard error
         assert 0 <= m["grad_sync_ms"]["after_arrival"] <= m["grad_sync_ms"]["exposed"]
     # Same model, seed and data: every communicating mode trains identically.
     losses = [modes[n]["final_loss"] for n in ("ddp", "ddp:ring", "ddp:shm", "ddp@commlab")]
@@ -125,6 +127,24 @@ def test_utilization_is_one_named_metric_per_device_type():
     assert "| utilization (%): NVML GPU busy, per device | 63/40 | 92 (x1) | - |" in gpu, gpu
     cpu = report.table({"env": {"device": "cpu"}, "modes": [dict(ok, mode="ddp", util_percent=[50.0, 52.0])]})
     assert "| utilization (%): CPU time / wall, per rank | 50/52 |" in cpu, cpu
+
+
+def test_the_exposed_sync_shows_how_much_it_moves_from_step_to_step():
+    """Where ranks outnumber cores most of the exposed sync is waiting for a slower rank,
+    which moves severalfold between steps: the table gives each figure its standard
+    error over the timed steps, so a prediction's distance can be read against it."""
+    from commlab.training.compare import report
+
+    ok = {"status": "ok", "iter_ms": {"median": 10.0, "p90": 11.0}, "samples_per_s": 1.0, "peak_memory_mb": [1.0],
+          "util_percent": [50.0], "final_loss": 0.5}
+    doc = {"env": {"device": "cpu"}, "modes": [
+        dict(ok, mode="ddp", grad_sync_ms={"total": 9.0, "exposed": 562.04, "exposed_se": 150.33}),
+        dict(ok, mode="ddp:noop", grad_sync_ms={"total": 0.0, "exposed": 0.0}),
+        dict(ok, mode="ddp", predicted=True, grad_sync_ms={"total": 9.0, "exposed": 260.0, "exposed_se": 40.0})]}
+    assert "| grad sync exposed (ms) ± its standard error | 562.0 ± 150.3 | 0.0 | 260.0 ± 40.0 |" in \
+        report.table(doc), report.table(doc)
+    # And a predicted column's distance from its measured mode: 302 ms under, 1.9 standard errors of the difference.
+    assert "| predicted vs measured: iteration, exposed (σ) | - | - | +0 %, -54 % (-1.9 σ) |" in report.table(doc)
 
 
 @pytest.mark.slow
@@ -298,6 +318,10 @@ def test_the_waiting_predicted_from_the_compute_only_step_shares_the_cores_of_ra
     # 100, 75 ms; the table reports the largest rank's.
     logs = [log(1.0, 1.3), log(1.1, 1.0), log(1.2, 1.0), log(1.3, 1.0)]
     assert workers.arrival_skew_ms(logs, cores=2) == pytest.approx(125.0)
+    # How far that mean is from the step-to-step noise: rank 1 waited 100 and 150 ms, a
+    # standard error of 25 (the ± the predicted exposed sync carries); none from one step.
+    assert workers.arrival_skew_ms(logs, cores=2, se=True) == pytest.approx(25.0)
+    assert workers.arrival_skew_ms([log(1.0), log(1.1)], cores=2, se=True) is None
     assert workers.arrival_skew_ms([log(1.0), log(1.0)], cores=2) == 0.0
     assert workers.arrival_skew_ms([[], log(1.0)], cores=2) is None  # no iteration every rank finished
 
@@ -349,7 +373,8 @@ def test_this_host_pools_the_compute_only_step_run_first_and_last():
 
     def noop(its, skew, opt, fbe, status="ok"):
         return {"mode": "ddp:noop", "status": status, "iteration_ms": its, "arrival_skew_ms": skew,
-                "optimizer_ms": opt, "unit_waits_ms": {"fbe": fbe, "fe": fbe / 2}}
+                "optimizer_ms": opt, "unit_waits_ms": {"fbe": fbe, "fe": fbe / 2},
+                "wait_se_ms": {"step": skew / 10, "fbe": None, "fe": fbe / 20}}
 
     rows = [noop([100.0, 110.0, 120.0], 30.0, 10.0, 60.0), {"mode": "ddp", "status": "ok"},
             noop([200.0, 210.0, 220.0], 90.0, 20.0, 180.0), noop([1.0], 1e6, 1.0, 1.0, status="error")]
@@ -357,6 +382,9 @@ def test_this_host_pools_the_compute_only_step_run_first_and_last():
     assert got["iter_ms"]["median"] == pytest.approx(160.0) and got["runs"] == 2
     assert got["arrival_skew_ms"] == pytest.approx(60.0) and got["optimizer_ms"] == pytest.approx(15.0)
     assert got["unit_waits_ms"] == pytest.approx({"fbe": 120.0, "fe": 60.0})
+    # The standard errors of the runs' weighted mean: sqrt((3 * 3)² + (3 * 9)²) / 6 ms.
+    assert got["wait_se_ms"] == pytest.approx({"step": (9 ** 2 + 27 ** 2) ** 0.5 / 6, "fbe": None,
+                                               "fe": (9 ** 2 + 27 ** 2) ** 0.5 / 6})
     # Runs of unequal length weigh by their iterations; a run without a figure does not count.
     rows[2] = dict(noop([200.0], 90.0, None, 180.0))
     got = cli.compute_step(rows)
@@ -402,6 +430,7 @@ def test_the_exposed_sync_splits_at_the_last_ranks_arrival():
     records = _two_ranks_one_late()
     got = trace.exposed_split(records)
     assert got["exposed"] == pytest.approx(900.0) and got["after_arrival"] == pytest.approx(500.0)
+    assert got["exposed_per_iteration"] == pytest.approx([900.0])  # its one iteration: the table's ± from these
     # The trace draws rank 0's wait as its own part of the exposed track and reads the same back.
     doc = trace.chrome_trace(records, "ddp")
     waits = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "exposed" and "waiting_for" in e["args"]]

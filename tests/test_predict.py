@@ -358,6 +358,19 @@ def test_this_host_charges_fsdp_the_waits_at_every_unit():
         assert before[mode]["exposed"] - before[mode]["after_arrival"] == pytest.approx(5.0), mode
         assert after[mode]["exposed"] - after[mode]["after_arrival"] == pytest.approx(wait), mode
         assert after[mode]["after_arrival"] == pytest.approx(before[mode]["after_arrival"]), mode
+        assert "exposed_se" not in after[mode]  # no step-to-step spread measured: no ±
+    # Each carries the standard error of the wait it is charged, over ddp:noop's steps: the
+    # ± of compare's exposed row (the one figure's for DDP and ZeRO-1; FSDP's by its kinds).
+    spread = M.this_host(benches, **kw, unit_waits_ms={"fbe": 70.0, "fe": 30.0},
+                         wait_se_ms={"step": 2.0, "fbe": 9.0, "fe": 4.0, "unused": None})
+    assert spread.wait_se_ms == {"step": 2.0, "fbe": 9.0, "fe": 4.0}
+    got = {r["mode"]: r["grad_sync_ms"] for r in M.predict(modes, s, spread, steps)}
+    assert {m: got[m]["exposed_se"] for m in modes} == {"ddp": 2.0, "zero1": 2.0, "fsdp:shm": 9.0,
+                                                        "fsdp:noreshard": 4.0}
+    assert {m: got[m]["exposed"] for m in modes} == {m: after[m]["exposed"] for m in modes}
+    # Without the marks FSDP is charged the one figure, and its spread.
+    no_units = M.this_host(benches, **kw, wait_se_ms={"step": 2.0})
+    assert M.predict(["fsdp:shm"], s, no_units, steps)[0]["grad_sync_ms"]["exposed_se"] == 2.0
 
 
 def test_this_host_prices_fsdps_calls_as_training_issues_them():

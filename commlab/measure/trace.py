@@ -69,22 +69,26 @@ def exposed_split(records: list[dict]) -> dict:
     """compare's exposed synchronisation from every rank's record: per rank the mean over
     iterations of its exposed spans, and of their part after the last rank arrived (the
     rest is waiting for a slower rank, not communicating); each the largest rank's, as
-    compare reports. None where the ranks' iterations do not line up."""
+    compare reports; and that rank's exposed time in each iteration. None where the ranks'
+    iterations do not line up."""
     counts = {len(r["iterations"]) for r in records}
     if not records or len(counts) != 1 or not counts.pop():
         return {"exposed": None, "after_arrival": None}
     last = last_arrivals(records)
-    exposed, after = [], []
+    exposed, after = [], []  # per rank, per iteration (ms)
     for rank, rec in enumerate(records):
-        e = a = 0.0
+        exposed.append([])
+        after.append([])
         for k, it in enumerate(rec["iterations"]):
+            e = a = 0.0
             for key, x, y, _ in _exposed_spans(it):
                 e += y - x
                 a += y - _arrival_cut(last, k, key, x, y, rank)[0]
-        n = len(rec["iterations"])
-        exposed.append(e / n * 1e3)
-        after.append(a / n * 1e3)
-    return {"exposed": max(exposed), "after_arrival": max(after)}
+            exposed[-1].append(e * 1e3)
+            after[-1].append(a * 1e3)
+    worst = max(exposed, key=sum)
+    return {"exposed": sum(worst) / len(worst), "after_arrival": max(sum(a) / len(a) for a in after),
+            "exposed_per_iteration": worst}
 
 
 def chrome_trace(records: list[dict], mode: str) -> dict:

@@ -92,7 +92,9 @@ def run_ddp_mode(mode: str, world: int, args: dict, rank_fn=workers.ddp_rank) ->
     iters = report.iteration_summary(res[0]["times"])
     exposed = max(r["sync_exposed"] for r in res)
     # The part of it after the last rank arrived: communication, not waiting for a slower rank.
-    after = trace.exposed_split([r["trace"] for r in res])["after_arrival"] if res[0].get("trace") else None
+    split = trace.exposed_split([r["trace"] for r in res]) if res[0].get("trace") else {}
+    after = split.get("after_arrival")
+    se = workers.standard_error(split.get("exposed_per_iteration") or [])  # how much it moves step to step
     return {
         "mode": mode, "status": "ok", "reason": "",
         "iter_ms": iters,
@@ -101,11 +103,12 @@ def run_ddp_mode(mode: str, world: int, args: dict, rank_fn=workers.ddp_rank) ->
         "peak_memory_mb": [r["memory_mb"] for r in res],
         "util_percent": [r["util"] for r in res],
         "grad_sync_ms": {"total": max(r["sync_total"] for r in res), "exposed": exposed,
-                         "after_arrival": after if after is not None else (0.0 if exposed == 0 else None)},
+                         "after_arrival": after if after is not None else (0.0 if exposed == 0 else None),
+                         **({"exposed_se": se} if se is not None else {})},
         "final_loss": res[0]["loss"],
         # ddp:noop: what this-host's wait for the last rank is predicted from, per timed iteration.
         **({"arrival_skew_ms": res[0]["arrival_skew_ms"], "backward_end_ms": res[0]["backward_end_ms"],
-            "unit_waits_ms": res[0]["unit_waits_ms"]} if res[0].get("arrival_skew_ms") is not None else {}),
+            "unit_waits_ms": res[0]["unit_waits_ms"], "wait_se_ms": res[0]["wait_se_ms"]} if res[0].get("arrival_skew_ms") is not None else {}),
         **({"optimizer_ms": max(r["optimizer_ms"] for r in res)} if res[0].get("optimizer_ms") is not None else {}),
         **({"tensor_mb": max(r["tensor_mb"] for r in res),
             "tensor_breakdown_mb": max(res, key=lambda r: r["tensor_mb"])["tensor_breakdown_mb"]}
@@ -163,7 +166,7 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
 
         prof = M.this_host(benches, noop["iter_ms"]["median"], world, len(os.sched_getaffinity(0)),
                            noop.get("arrival_skew_ms", 0.0), noop.get("optimizer_ms"), measure_first_touch(),
-                           noop.get("unit_waits_ms"), probe_in_training(world, wanted))
+                           noop.get("unit_waits_ms"), probe_in_training(world, wanted), noop.get("wait_se_ms"))
     else:
         prof = M.load_profile(profile)
     rows = M.predict(wanted, s, prof)
@@ -187,11 +190,17 @@ def compute_step(measured: list[dict]) -> dict | None:
         have = [(v, w) for v, w in zip(values, weights) if v is not None]
         return sum(v * w for v, w in have) / sum(w for _, w in have) if have else None
 
+    def se(values: list) -> float | None:  # of the weighted mean, the runs independent
+        have = [(v, w) for v, w in zip(values, weights) if v is not None]
+        return sum((v * w) ** 2 for v, w in have) ** 0.5 / sum(w for _, w in have) if have else None
+
     units = [m.get("unit_waits_ms") or {} for m in runs]
+    ses = [m.get("wait_se_ms") or {} for m in runs]
     return {"iter_ms": report.iteration_summary([t / 1e3 for m in runs for t in m["iteration_ms"]]),
             "arrival_skew_ms": mean([m.get("arrival_skew_ms") for m in runs]) or 0.0,
             "optimizer_ms": mean([m.get("optimizer_ms") for m in runs]),
             "unit_waits_ms": {k: mean([u.get(k) for u in units]) for k in units[0]} if units[0] else None,
+            "wait_se_ms": {k: se([e.get(k) for e in ses]) for k in ses[0]},
             "runs": len(runs)}
 
 

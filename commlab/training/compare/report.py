@@ -37,7 +37,10 @@ DEFINITIONS = """\
                of each block's forward, backward and backward's end, plus how far
                apart the ranks leave each call), the part after the arrival does not;
                FSDP's calls on this host at their probed ratio to the bench (calls
-               after compute: measure.syncprobe)
+               after compute: measure.syncprobe). ±: the standard error of the
+               mean over the timed steps — measured: of the largest rank's exposed
+               time per step; predicted: of the wait charged, over ddp:noop's steps
+               (this-host runs it first and last; the two pooled)
   tensor bytes the peak, over one extra step sampled at every leaf module's forward,
                every gradient's accumulation and after the optimizer step, of the
                bytes of unique storages a rank holds as parameters (sharded, or
@@ -48,6 +51,9 @@ DEFINITIONS = """\
                all-reduced buckets, ZeRO-1's buckets plus its parameter broadcasts,
                FSDP's gathered outputs and reduce-scattered inputs
   final loss   mean over ranks of the last step's loss
+  predicted vs measured  a predicted column's iteration and exposed sync against its
+               measured mode's, in per cent; σ: the exposed difference over the two
+               standard errors combined (|σ| below 2: within the step-to-step noise)
 """
 
 UTILIZATION_ROW = {"cpu": "utilization (%): CPU time / wall, per rank",
@@ -67,6 +73,28 @@ def fmt_list(vals, fmt="{:.0f}"):
     if len(set(round(v) for v in vals)) == 1:
         return fmt.format(vals[0]) + f" (x{len(vals)})"
     return "/".join(fmt.format(v) for v in vals)
+
+
+def prediction_error(pred: dict, modes: list[dict]) -> str:
+    """A predicted column's distance from its measured mode: the iteration's and the exposed
+    sync's, in per cent, and the latter in standard errors of the difference (σ: the two
+    ± combined) where both have one; '-' for a measured column or one measured twice."""
+    same = [m for m in modes if m["mode"] == pred["mode"] and not m.get("predicted") and m["status"] == "ok"]
+    if not pred.get("predicted") or len(same) != 1:
+        return "-"
+    meas = same[0]
+
+    def pct(p: float, m: float) -> str:
+        return f"{(p - m) / m * 100:+.0f} %" if m else "-"
+
+    cells = [pct(pred["iter_ms"]["median"], meas["iter_ms"]["median"])]
+    ps, ms = pred["grad_sync_ms"], meas["grad_sync_ms"]
+    if ps.get("exposed") is not None and ms.get("exposed") is not None:
+        ses = [x.get("exposed_se") for x in (ps, ms)]
+        sigma = sum(e ** 2 for e in ses if e is not None) ** 0.5
+        z = f" ({(ps['exposed'] - ms['exposed']) / sigma:+.1f} σ)" if all(e is not None for e in ses) and sigma else ""
+        cells.append(pct(ps["exposed"], ms["exposed"]) + z)
+    return ", ".join(cells)
 
 
 def table(doc: dict) -> str:
@@ -96,9 +124,13 @@ def table(doc: dict) -> str:
     row("peak memory (MB) per rank/device", lambda m: fmt_list(m["peak_memory_mb"]))
     row(UTILIZATION_ROW[doc["env"].get("device", "cpu")], lambda m: fmt_list(m["util_percent"]))
     row("grad sync total (ms)", lambda m: "-" if m["grad_sync_ms"]["total"] is None else f"{m['grad_sync_ms']['total']:.1f}")
-    row("grad sync exposed (ms)", lambda m: "-" if m["grad_sync_ms"]["exposed"] is None else f"{m['grad_sync_ms']['exposed']:.1f}")
+    row("grad sync exposed (ms) ± its standard error", lambda m: "-" if m["grad_sync_ms"]["exposed"] is None
+        else f"{m['grad_sync_ms']['exposed']:.1f}" + (f" ± {m['grad_sync_ms']['exposed_se']:.1f}"
+                                                     if m["grad_sync_ms"].get("exposed_se") is not None else ""))
     row("  of it after the last rank arrived (ms)", lambda m: "-" if m["grad_sync_ms"].get("after_arrival") is None
         else f"{m['grad_sync_ms']['after_arrival']:.1f}")
+    if any(m.get("predicted") for m in ok):
+        row("predicted vs measured: iteration, exposed (σ)", lambda m: prediction_error(m, modes))
     if any(m.get("tensor_mb") is not None for m in ok):
         row("tensor bytes peak (MB): params+grads+optimizer+buckets",
             lambda m: "-" if m.get("tensor_mb") is None else f"{m['tensor_mb']:.1f}")

@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import os
 import resource
+import statistics
 import time
 
 import psutil
@@ -79,35 +80,48 @@ def backward_ends_ms(logs: list[list]) -> list[float]:
     return [max(d.values()) * 1e3 for _i, d in sorted(_ends(logs).items())]
 
 
-def arrival_skew_ms(logs: list[list], cores: int) -> float | None:
+def arrival_skew_ms(logs: list[list], cores: int, se: bool = False) -> float | None:
     """The waiting for the last rank a synchronising mode's table would show, predicted from
     the compute-only step (ddp:noop, whose ranks never wait): per iteration how long after
     its own start each rank hands over its last bucket (the end of backward), those
     arrivals as they would come once early ranks wait and give their cores away
     (synchronised_arrivals), then compare's own statistic — per rank the mean over
-    iterations of its wait for the last, the largest rank's."""
+    iterations of its wait for the last, the largest rank's. se: that mean's standard error
+    instead."""
     its = [d for d in _ends(logs).values() if len(d) == len(logs)]
-    return _waits_ms([[[d[r] for r in range(len(logs))]] for d in its], cores)
+    return _waits_ms([[[d[r] for r in range(len(logs))]] for d in its], cores, se)
 
 
-def _waits_ms(iterations: list[list[list[float]]], cores: int) -> float | None:
+def _waits_ms(iterations: list[list[list[float]]], cores: int, se: bool = False) -> float | None:
     """compare's statistic of the waits predicted from unsynchronised stretches: per
     iteration, per stretch every rank's duration (s), turned into arrivals with the cores
     shared (synchronised_arrivals); per rank its waits summed over an iteration's stretches,
-    the mean over iterations; the largest rank's (ms). None without an iteration."""
+    the mean over iterations; the largest rank's (ms). se: the standard error of that rank's
+    mean instead (None below two iterations). None without an iteration."""
     if not iterations:
         return None
-    waits: list[float] = []
+    ranks = max((len(offsets) for stretches in iterations for offsets in stretches), default=0)
+    if not ranks:  # iterations without a stretch: nobody waits
+        return None if se else 0.0
+    per_rank: list[list[float]] = [[] for _ in range(ranks)]  # rank -> its wait in each iteration (s)
     for stretches in iterations:
+        step = [0.0] * ranks
         for offsets in stretches:
             arrived = synchronised_arrivals(offsets, cores)
-            waits = waits or [0.0] * len(arrived)
             for r, a in enumerate(arrived):
-                waits[r] += (max(arrived) - a) / len(iterations)
-    return max(waits, default=0.0) * 1e3
+                step[r] += max(arrived) - a
+        for r, w in enumerate(step):
+            per_rank[r].append(w)
+    worst = max(per_rank, key=sum)
+    return standard_error([w * 1e3 for w in worst]) if se else sum(worst) / len(worst) * 1e3
 
 
-def unit_waits_ms(marks: list[list], cores: int, kinds: str) -> float | None:
+def standard_error(values: list[float]) -> float | None:
+    """The standard error of the values' mean (sample standard deviation / sqrt(n)); None below two."""
+    return statistics.stdev(values) / len(values) ** 0.5 if len(values) >= 2 else None
+
+
+def unit_waits_ms(marks: list[list], cores: int, kinds: str, se: bool = False) -> float | None:
     """The waiting a step that synchronises at every FSDP unit would show, predicted from
     the compute-only step's marks (ddp:noop: per rank (iteration, kind, block, s after its
     own start); kinds: f a unit's forward, b its backward's start, e its backward's end —
@@ -115,7 +129,8 @@ def unit_waits_ms(marks: list[list], cores: int, kinds: str) -> float | None:
     every rank's duration of it turned into arrivals with the cores shared
     (synchronised_arrivals), each rank's waits summed over the step; per rank the mean
     over iterations, the largest rank's (compare's statistic). A step that synchronises at
-    every unit drifts apart at every unit: one figure per step (arrival_skew_ms) is DDP's."""
+    every unit drifts apart at every unit: one figure per step (arrival_skew_ms) is DDP's.
+    se: that mean's standard error instead."""
     seq: dict[int, dict[int, list[float]]] = {}
     for rank, log in enumerate(marks):
         for i, kind, _block, t in log:
@@ -123,7 +138,8 @@ def unit_waits_ms(marks: list[list], cores: int, kinds: str) -> float | None:
                 seq.setdefault(i, {}).setdefault(rank, []).append(t)
     its = [[sorted(d[r]) for r in range(len(marks))] for d in seq.values()
            if len(d) == len(marks) and len({len(v) for v in d.values()}) == 1]
-    return _waits_ms([[[ts[j] - ts[j - 1] for ts in times] for j in range(1, len(times[0]))] for times in its], cores)
+    return _waits_ms([[[ts[j] - ts[j - 1] for ts in times] for j in range(1, len(times[0]))] for times in its], cores,
+                     se)
 
 
 def mark_units(model, log: dict) -> None:
@@ -321,7 +337,7 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         emulate_memory_limit(peak_rss, rss_before_model, args["mem_limit_mb"])
     if isinstance(state, hooks.CommState):
         state.close()
-    skew = ends = units = None
+    skew = ends = units = wait_se = None
     if mode == "ddp:noop" and not cuda:  # one clock: the ranks of one machine
         logs, marks = [None] * world, [None] * world
         dist.all_gather_object(logs, [t for t in arrivals["times"] if t[0] >= args["warmup"]])
@@ -332,9 +348,12 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         ends = backward_ends_ms(logs)
         # FSDP synchronises at each block's forward, backward (resharded) and backward's end.
         units = {kinds: unit_waits_ms(marks, cores, kinds) for kinds in ("fbe", "fe")}
+        # How much each figure moves from step to step: the predicted exposed sync's ± (keys as units').
+        wait_se = {"step": arrival_skew_ms(logs, cores, se=True),
+                   **{kinds: unit_waits_ms(marks, cores, kinds, se=True) for kinds in units}}
     return {"times": slowest.cpu().tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": mem,
             "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"],
-            "arrival_skew_ms": skew, "backward_end_ms": ends, "unit_waits_ms": units,
+            "arrival_skew_ms": skew, "backward_end_ms": ends, "unit_waits_ms": units, "wait_se_ms": wait_se,
             "comm_bytes": per_step[-1]["bytes"], **tensors, "params": params, "optimizer_ms": optimizer_ms,
             "trace": traced}
 

@@ -45,6 +45,9 @@ class Profile:
     # this host, FSDP: each collective called after compute, as training calls it (measure.syncprobe:
     # collective -> algorithm -> after_us, exit_spread_us at bytes): its ratio to the bench, its exit spread
     in_training: dict = field(default_factory=dict)
+    # this host: the standard error of each wait above over ddp:noop's steps ("step": arrival_skew_ms's;
+    # "fbe", "fe": unit_waits_ms'): how much the host's drift moves from step to step, the exposed sync's ±
+    wait_se_ms: dict = field(default_factory=dict)
 
 
 def profile_names() -> list[str]:
@@ -61,7 +64,8 @@ def load_profile(name: str) -> Profile:
 
 def this_host(benches: list[dict], compute_ms: float, ranks: int, cores: int, arrival_skew_ms: float = 0.0,
               optimizer_ms: float | None = None, first_touch_us_per_byte: float | list = 0.0,
-              unit_waits_ms: dict | None = None, in_training: dict | None = None) -> Profile:
+              unit_waits_ms: dict | None = None, in_training: dict | None = None,
+              wait_se_ms: dict | None = None) -> Profile:
     """This machine, measured: each algorithm's times from bench runs (one per collective)
     at the world size compared, interpolated between the sizes timed, and their α, β, γ
     fit beyond them; the compute-only step and how far apart the ranks reach their first
@@ -86,6 +90,7 @@ def this_host(benches: list[dict], compute_ms: float, ranks: int, cores: int, ar
                    optimizer_ms=optimizer_ms,
                    unit_waits_ms={k: v for k, v in (unit_waits_ms or {}).items() if v is not None},
                    in_training=in_training or {},
+                   wait_se_ms={k: v for k, v in (wait_se_ms or {}).items() if v is not None},
                    # γ: one element-wise SUM per byte of input, three bytes of traffic (two reads, one write)
                    copy_us_per_byte=gammas[0] / 3 if gammas else None,
                    # measured on one idle process: stretched as each rank gets cores/ranks of a core
@@ -322,12 +327,14 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
             "optimizer_state": state_bytes(st), "buckets": st.param_bytes}
     comm = st.param_bytes if bks else 0
     if prof.device == "cpu":  # compare reports peak RSS (interpreter and torch too) and CPU time: not modelled
-        return _row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm, waiting)
+        return _row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm, waiting,
+                    prof.wait_se_ms.get("step"))
     # Weights, the step's peak of everything else (activations, gradients, temporaries), the
     # input batch, DDP's bucket copies of the gradients and the optimizer's state.
     mem = st.param_bytes + st.buffers_bytes + st.peak_bytes + st.input_bytes + (st.param_bytes if bks else 0) \
         + state_bytes(st)
-    return _row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm, waiting)
+    return _row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm, waiting,
+                prof.wait_se_ms.get("step"))
 
 
 def predict_dp(s: Setup, prof: Profile, steps: Steps) -> dict:
@@ -373,15 +380,16 @@ def state_bytes(st: Step) -> float:
 
 
 def _row(mode, s, it_us, mem, util, total_us, exposed_us, breakdown, held=None, comm_bytes=None,
-         waiting_us: float = 0.0) -> dict:
+         waiting_us: float = 0.0, waiting_se_ms: float | None = None) -> dict:
     """waiting_us: the part of exposed_us charged for waiting on the last rank (compare's
-    exposed sync after the last rank's arrival is the rest)."""
+    exposed sync after the last rank's arrival is the rest); waiting_se_ms: its standard error."""
     row = {"mode": mode, "status": "ok", "reason": "", "predicted": True,
            "iter_ms": {"median": it_us / 1e3, "p90": it_us / 1e3},
            "samples_per_s": s.batch_size / (it_us / 1e6),
            "peak_memory_mb": [None if m is None else m / 2**20 for m in mem], "util_percent": util,
            "grad_sync_ms": {"total": total_us / 1e3, "exposed": exposed_us / 1e3,
-                            "after_arrival": (exposed_us - waiting_us) / 1e3},
+                            "after_arrival": (exposed_us - waiting_us) / 1e3,
+                            **({"exposed_se": waiting_se_ms} if waiting_us and waiting_se_ms is not None else {})},
            "final_loss": None, "breakdown": breakdown}
     if held is not None:  # compare's tensor-bytes row: what each rank holds at its peak, by category
         row["tensor_mb"] = sum(held.values()) / 2**20

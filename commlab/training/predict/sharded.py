@@ -257,6 +257,7 @@ def predict(mode: str, s, prof, steps) -> dict:
         it = ddp_it - opt + opt / p + bcast
         total, exposed = ddp_total + bcast, ddp_exposed + bcast
         waiting = ddp["grad_sync_ms"]["exposed"] * 1e3 - ddp["grad_sync_ms"]["after_arrival"] * 1e3
+        wait_se = prof.wait_se_ms.get("step")
         held = {"parameters": st.param_bytes, "gathered": 0.0, "gradients": st.param_bytes,
                 "optimizer_state": state / p, "buckets": st.param_bytes}
         comm = 2 * st.param_bytes
@@ -269,18 +270,20 @@ def predict(mode: str, s, prof, steps) -> dict:
         # As predict_ddp, a rank that reaches a collective first waits there for the last; FSDP
         # synchronises at every unit, the ranks drifting apart between units (ddp:noop's marks)
         # and leaving each call apart (the probe's exit spread).
-        drift = prof.unit_waits_ms.get("fe" if mode == "fsdp:noreshard" else "fbe", prof.arrival_skew_ms)
+        key = "fe" if mode == "fsdp:noreshard" else "fbe"
+        drift = prof.unit_waits_ms.get(key, prof.arrival_skew_ms)
+        wait_se = prof.wait_se_ms.get(key if key in prof.unit_waits_ms else "step")
         waiting = drift * 1e3 + facts.pop("exit_spread_us")
         total, exposed = total + waiting, exposed + waiting
         info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, **facts, "per_device_batch": b, **M._micro(s)}
     busy = 100.0  # as predict_ddp's: NVML counts a collective's kernels as busy, and nothing else waits
     if prof.device == "cpu":
-        return M._row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm, waiting)
+        return M._row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm, waiting, wait_se)
     # On a GPU: what the step itself allocates beyond parameters and gradients
     # (activations, temporaries) and the input, beside the tensors held.
     # Activations and temporaries: what forward saves, or more where backward holds more at
     # once (checkpointing recomputes them there): the traced peak less the full gradients it counted.
     acts = max(st.activation_bytes, st.peak_bytes - st.param_bytes)
     mem = sum(held.values()) + acts + st.input_bytes + st.buffers_bytes
-    return M._row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm, waiting)
+    return M._row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm, waiting, wait_se)
 
