@@ -400,6 +400,13 @@ def test_this_host_prices_fsdps_calls_as_training_issues_them():
         assert after["after_arrival"] == pytest.approx(2 * before["after_arrival"], rel=1e-9)
         # The wait: the drift between units, plus each call's exit spread (a quarter of its time).
         assert after["exposed"] - after["after_arrival"] == pytest.approx(drift + 0.25 * after["after_arrival"])
+        # The probe's calls write fresh buffers as FSDP2's do: their page faults are in its
+        # ratio, not charged again; without a probe a fresh output's faults are.
+        touch = dict(first_touch_us_per_byte=1e-4)
+        probed = M.predict([mode], s, M.this_host(benches, **kw, **touch, in_training=probe), steps)[0]
+        assert probed["grad_sync_ms"]["after_arrival"] == pytest.approx(after["after_arrival"], rel=1e-9)
+        unprobed = M.predict([mode], s, M.this_host(benches, **kw, **touch), steps)[0]
+        assert unprobed["grad_sync_ms"]["after_arrival"] > before["after_arrival"]
 
 
 def test_this_host_prices_a_call_from_the_bench_times_around_its_size():

@@ -17,6 +17,19 @@ def test_the_probe_reads_what_compares_table_reads():
     assert syncprobe.summarise([c + c[-1:] * 2 for c in calls])["after_us"] == pytest.approx(0.4e6)
 
 
+def test_the_probes_buffers_are_made_as_fsdp2_makes_them():
+    """Each call writes buffers allocated for it, as FSDP2's do (a fresh output's pages
+    fault in inside the call: most of shm's 48 MiB all-gather in training), the input
+    written before: an all-gather's shard in its own slice of the output, a
+    reduce-scatter's full-size gradients."""
+    out, inp = syncprobe.fsdp_buffers("all_gather", 8, rank=2, world=4)
+    assert out.numel() == 32 and inp.numel() == 8 and inp.data_ptr() == out.data_ptr() + 16 * 4
+    assert bool((out[16:24] == 1).all())
+    out, inp = syncprobe.fsdp_buffers("reduce_scatter", 32, rank=2, world=4)
+    assert out.numel() == 8 and inp.numel() == 32 and bool((inp == 1).all())
+    assert inp.data_ptr() != out.data_ptr()
+
+
 @pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
 def test_the_probe_runs_each_family_on_ranks_of_this_machine(collective):
     got = syncprobe.measure(2, collective, "shm", 1 << 16, work_ms=2.0, reps=4)
@@ -36,3 +49,9 @@ def test_compare_probes_the_collectives_its_fsdp_modes_call(monkeypatch):
     assert got == {c: {"builtin": {"x": 1}, "shm": {"x": 1}} for c in ("all_gather", "reduce_scatter")}
     assert sorted(seen) == sorted((4, c, n) for c in ("all_gather", "reduce_scatter") for n in ("builtin", "shm"))
     assert cli.probe_in_training(4, ["ddp", "zero1", "ddp:shm"]) == {}
+    # At the size of the model's largest unit, where FSDP spends its time: a block of the
+    # issue's transformer (width 1024: 12.6 M parameters, 48 MiB in fp32).
+    sizes = []
+    monkeypatch.setattr(syncprobe, "measure", lambda world, c, name, nbytes: sizes.append(nbytes) or {})
+    cli.probe_in_training(4, ["fsdp"], cli.largest_unit_bytes({"model": "transformer", "width": 1024, "depth": 8}))
+    assert set(sizes) == {12_596_224 * 4}

@@ -3,9 +3,11 @@
 The bench times calls back to back, the ranks lined up by the previous call. In training
 (FSDP's all-gathers and reduce-scatters between blocks) each call follows compute, the
 ranks arrive apart, and where they outnumber the cores the early ones sleep in the call
-and must be woken when the last arrives. This probe runs that: every rank the same fixed
-work, then the call, a dozen times, and reads on the shared clock of one host (ranks of
-one machine: perf_counter is CLOCK_MONOTONIC) what compare's table reads in training:
+and must be woken when the last arrives; and each call writes buffers FSDP2 allocated for
+it (fsdp_buffers), whose pages fault in as they are first written. This probe runs that:
+every rank the same fixed work, then the call, a dozen times, and reads on the shared
+clock of one host (ranks of one machine: perf_counter is CLOCK_MONOTONIC) what compare's
+table reads in training:
 
 - after_us: a call's time after the last rank arrived (per rank the mean over calls,
   the largest rank's: compare's "after the last rank arrived", per call);
@@ -17,7 +19,12 @@ one machine: perf_counter is CLOCK_MONOTONIC) what compare's table reads in trai
 after the last arrival (the bench's loop: 14), its reduce-scatter 31-36 (27), the ranks
 leaving 3-4 ms apart; commlab's shm 4-5.5 ms (the bench: 1.8 and 2.5), 2-3 ms apart. In
 training (FSDP, 12.6 MB blocks) gloo's calls took 27 ms on average and shm's 5.6
-(docs/measurements.md).
+(docs/measurements.md). Those were reused buffers at 16 MiB. Session 24, the issue's
+1024x8 model (48 MiB blocks), FSDP's calls after the last arrival in training (median) /
+this probe at 48 MiB, fresh buffers / the same reused: gloo's all-gather 112 / 141 / 95 ms,
+its reduce-scatter 125 / 128 / 133, shm's 45 / 46 / 15 and 28 / 34 / 15 — the pages a
+fresh 48 MiB output faults in are most of shm's call, so compare probes at the model's
+largest unit with fresh buffers.
 """
 from __future__ import annotations
 
@@ -45,9 +52,27 @@ def _matmuls_per_ms() -> float:
     return 1e-3 / best
 
 
+def fsdp_buffers(collective: str, count: int, rank: int, world: int):
+    """(output, input) of one call as FSDP2 makes them: allocated for the call (on a host
+    the allocator maps large ones afresh, so their pages fault in where first written) and
+    the input written before it — an all-gather's shard copied into its own slice of the
+    output, a reduce-scatter's gradients into a full-size input."""
+    import torch
+
+    from commlab.measure.specs import SPECS
+
+    out = torch.empty(SPECS[collective].output(count, world))
+    if collective == "all_gather":
+        inp = out.narrow(0, rank * count, count)
+    else:
+        inp = torch.empty(count)
+    inp.fill_(1.0)
+    return out, inp
+
+
 def probe_rank(rank: int, world: int, collective: str, algorithm: str, nbytes: int, matmuls: int,
                reps: int = REPS) -> list[tuple[float, float]]:
-    """One rank: `reps` times the same work, then one call; (start, end) of each call."""
+    """One rank: `reps` times the same work, then one call into fresh buffers; (start, end) of each call."""
     import torch
     import torch.distributed as dist
 
@@ -56,18 +81,17 @@ def probe_rank(rank: int, world: int, collective: str, algorithm: str, nbytes: i
 
     spec = SPECS[collective]  # the bench's sizes and call: nbytes is the gathered output, the reduced input
     count = spec.count(nbytes, 4, world)
-    inp, out = torch.ones(count), torch.empty(spec.output(count, world))  # reused: the page faults are priced apart
-    full = out if out.numel() > inp.numel() else inp
     a = torch.randn(256, 256)
     calls = []
     dist.barrier()
     for _ in range(reps):
         for _ in range(matmuls):
             a @ a
+        out, inp = fsdp_buffers(collective, count, rank, world)
         t0 = time.perf_counter()
         spec.run(algorithm, out, inp, Op.SUM)
         calls.append((t0, time.perf_counter()))
-        full.fill_(1.0)  # written between calls, as training writes the next input (some algorithms reduce in it)
+        del out, inp  # freed before the next, as FSDP2 frees a unit's buffers
     return calls
 
 

@@ -166,7 +166,8 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
 
         prof = M.this_host(benches, noop["iter_ms"]["median"], world, len(os.sched_getaffinity(0)),
                            noop.get("arrival_skew_ms", 0.0), noop.get("optimizer_ms"), measure_first_touch(),
-                           noop.get("unit_waits_ms"), probe_in_training(world, wanted), noop.get("wait_se_ms"))
+                           noop.get("unit_waits_ms"), probe_in_training(world, wanted, largest_unit_bytes(args)),
+                           noop.get("wait_se_ms"))
     else:
         prof = M.load_profile(profile)
     rows = M.predict(wanted, s, prof)
@@ -221,10 +222,19 @@ def host_collectives(modes: list[str]) -> dict[str, list[str]]:
     return {c: list(dict.fromkeys(names)) for c, names in need.items()}
 
 
-def probe_in_training(world: int, modes: list[str]) -> dict:
+def largest_unit_bytes(args: dict) -> int:
+    """The parameter bytes of the model's largest FSDP unit (a block: workloads.blocks)."""
+    with torch.device("meta"):
+        model = workloads.build(args["model"], **workloads.options(args)).model
+    sizes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in workloads.blocks(model)]
+    return max(sizes, default=16 << 20)
+
+
+def probe_in_training(world: int, modes: list[str], nbytes: int = 16 << 20) -> dict:
     """What this-host's FSDP modes need beyond the bench: each of their all-gathers and
-    reduce-scatters called after compute (measure.syncprobe), at 16 MiB (a block of the
-    transformers compared here is 12.6 to 50 MB)."""
+    reduce-scatters called after compute into fresh buffers (measure.syncprobe), at nbytes
+    (compare: the model's largest unit, whose calls are most of FSDP's time and whose fresh
+    output's page faults depend on its size)."""
     from commlab.measure import syncprobe
 
     out: dict = {}
@@ -233,7 +243,7 @@ def probe_in_training(world: int, modes: list[str]) -> dict:
             for name in names:
                 print(f"# predicting this-host: {collective} {name} after compute (syncprobe)", file=sys.stderr,
                       flush=True)
-                out.setdefault(collective, {})[name] = syncprobe.measure(world, collective, name, 16 << 20)
+                out.setdefault(collective, {})[name] = syncprobe.measure(world, collective, name, nbytes)
     return out
 
 
