@@ -572,3 +572,19 @@ def test_a_trace_loads_in_perfettos_trace_processor(tmp_path):
         assert longest.name == "backward" and longest.dur == pytest.approx(0.2e9, rel=1e-3)  # ns
     finally:
         tp.close()
+
+
+def test_core_drift_counts_each_ranks_work_per_window():
+    """scripts/core_drift.py, the evidence for the waiting's noise: equal ranks' chunks of
+    work per window, from the last rank's start, whole windows only."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("core_drift", os.path.join(ROOT, "scripts", "core_drift.py"))
+    drift = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drift)
+    done = {0: [0.0, 0.5, 1.0, 1.5, 2.1], 1: [0.2, 1.2, 1.9, 2.2]}
+    assert drift.windows(done, 1.0) == [[2, 1]]  # [0.2, 1.2): rank 0's 0.5 and 1.0, rank 1's 0.2
+    proc = subprocess.run([sys.executable, "scripts/core_drift.py", "2", "1.5", "0.5"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "window  0: chunks per rank [" in proc.stdout and "spread per 0.5 s window" in proc.stdout, proc.stdout
