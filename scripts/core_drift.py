@@ -52,7 +52,8 @@ def main(ranks: int = 4, seconds: float = 90.0, window: float = 6.0) -> None:
         spreads.append((max(counts) - min(counts)) / mean * 100)
         print(f"window {k:2d}: chunks per rank {counts}  fastest - slowest: {spreads[-1]:.1f} % of the mean")
     if spreads:
-        print(f"spread per {window:g} s window: {min(spreads):.1f} to {max(spreads):.1f} %, mean {sum(spreads) / len(spreads):.1f} %")
+        mean = sum(spreads) / len(spreads)
+        print(f"spread per {window:g} s window: {min(spreads):.1f} to {max(spreads):.1f} %, mean {mean:.1f} %")
 
 
 if __name__ == "__main__":
