@@ -10,11 +10,13 @@ What happens: in the first incarnation rank 1 SIGKILLs itself at step 12. The ot
 ranks are waiting on it inside commlab's all-reduce (DDP's comm hook); commlab's abort
 channel makes them raise within a second (no 30-minute timeout) and exit (with the
 agent's default --monitor-interval of 0.1 s its SIGTERM may come first: 3 s shows that
-they leave by themselves), the agent sees the failure and starts a fresh group (TORCHELASTIC_RESTART_COUNT=1), which loads
-the checkpoint of step 10 and trains to the end. Data and initialisation depend only on
-the seed and the step, and `ps` sums in rank order whatever DDP's bucket layout, so the
-final parameters match an uninterrupted run bitwise (tests/test_recovery.py checks it). Every event goes to OUT/events.jsonl with its wall
-time; `--report` prints the time from the kill to the resumed step.
+they leave by themselves; where the agent's look falls within their ~0.1 s anyway, the
+SIGTERM is logged as "terminated"), the agent sees the failure and starts a fresh group
+(TORCHELASTIC_RESTART_COUNT=1), which loads the checkpoint of step 10 and trains to the
+end. Data and initialisation depend only on the seed and the step, and `ps` sums in rank
+order whatever DDP's bucket layout, so the final parameters match an uninterrupted run
+bitwise (tests/test_recovery.py checks it). Every event goes to OUT/events.jsonl with its
+wall time; `--report` prints the time from the kill to the resumed step.
 
 The checkpoint holds the model, the optimizer (AdamW's moments) and the step; rank 0
 writes it through a temporary file and a rename, so a death while writing leaves the
@@ -89,6 +91,12 @@ def main(argv=None) -> int:
     ddp = DDP(model)
     commlab.hooks.register(ddp, commlab.hooks.CommState(algorithm=a.algorithm))
     log(a.out, event="start", step=start)
+
+    def terminated(signum, frame):  # the agent stopping this rank: on the record, then gone
+        log(a.out, event="terminated", signal=signum)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminated)
     try:
         for step in range(start, a.steps):
             if incarnation == 0 and rank == a.kill_rank and step == a.kill_at:
