@@ -33,7 +33,7 @@ def test_compare_cpu_modes(tmp_path, extra):
         # communication adds to it.
         noops = [m for m in doc["modes"] if m["mode"] == "ddp:noop" and not m.get("predicted")]
         assert [m.get("label") for m in noops] == ["ddp:noop (first)", "ddp:noop (last)"]
-        assert doc["modes"][0] is not None and doc["modes"][0].get("label") == "ddp:noop (first)"
+        assert doc["modes"][0].get("label") == "ddp:noop (first)"  # before every other mode
         assert "ddp:noop (first)" in proc.stdout and "ddp:noop (last)" in proc.stdout
         pooled = sorted(t for m in noops for t in m["iteration_ms"])
         assert pred["ddp:noop"]["iter_ms"]["median"] == pytest.approx((pooled[2] + pooled[3]) / 2)
