@@ -407,6 +407,11 @@ def test_this_host_prices_fsdps_calls_as_training_issues_them():
         assert probed["grad_sync_ms"]["after_arrival"] == pytest.approx(after["after_arrival"], rel=1e-9)
         unprobed = M.predict([mode], s, M.this_host(benches, **kw, **touch), steps)[0]
         assert unprobed["grad_sync_ms"]["after_arrival"] > before["after_arrival"]
+        # A probe that timed nothing (no call after the last arrival) is no probe: the
+        # bench's time and the fresh output's faults, as without one.
+        empty = {c: {n: {**v, "after_us": 0.0} for n, v in by.items()} for c, by in probe.items()}
+        void = M.predict([mode], s, M.this_host(benches, **kw, **touch, in_training=empty), steps)[0]
+        assert void["grad_sync_ms"] == pytest.approx(unprobed["grad_sync_ms"], rel=1e-9)
 
 
 def test_this_host_prices_a_call_from_the_bench_times_around_its_size():

@@ -83,17 +83,18 @@ class Held:
         return at
 
 
-def in_training(prof, collective: str, algorithm: str, p: int) -> tuple[float, float]:
+def in_training(prof, collective: str, algorithm: str, p: int) -> tuple[float, float, bool]:
     """(how much longer a call takes after compute than the bench's back-to-back one, its
-    exit spread per µs of call) from this host's probe (measure.syncprobe) at its size;
-    (1, 0) without one (a hardware profile: one rank per device, none descheduled)."""
+    exit spread per µs of call, whether a probe gave them) from this host's probe
+    (measure.syncprobe) at its size; (1, 0, False) without one (a hardware profile: one
+    rank per device, none descheduled) or where it timed nothing."""
     from commlab.training.predict.model import collective_us
 
     got = prof.in_training.get(collective, {}).get(algorithm)
     if not got or got["after_us"] <= 0:
-        return 1.0, 0.0
+        return 1.0, 0.0, False
     return got["after_us"] / collective_us(prof, collective, algorithm, p, got["bytes"]), \
-        got["exit_spread_us"] / got["after_us"]
+        got["exit_spread_us"] / got["after_us"], True
 
 
 def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us,
@@ -119,12 +120,11 @@ def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us,
     # a call takes than the bench's back-to-back one, and how far apart the ranks leave it;
     # its calls write fresh buffers as FSDP2's do, so their page faults are in that ratio.
     slow = {c: in_training(prof, c, algorithm, p) for c in ("all_gather", "reduce_scatter")}
-    probed = {c: bool(prof.in_training.get(c, {}).get(algorithm)) for c in slow}
-    faults = lambda c, n: 0.0 if probed[c] else first_touch_us(prof, n)  # noqa: E731
+    faults = lambda c, n: 0.0 if slow[c][2] else first_touch_us(prof, n)  # noqa: E731
     exits = [0.0]  # the exit spreads summed over the step's calls: where each next wait starts from
 
     def call(collective: str, n: float) -> float:
-        factor, spread = slow[collective]
+        factor, spread, _ = slow[collective]
         us = collective_us(prof, collective, algorithm, p, n) * factor
         exits[0] += us * spread
         return us
