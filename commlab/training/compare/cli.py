@@ -188,13 +188,17 @@ def compute_step(measured: list[dict]) -> dict | None:
         return None
     weights = [len(m["iteration_ms"]) for m in runs]
 
-    def mean(values: list) -> float | None:
+    def pooled(values: list) -> tuple[float | None, float | None]:
+        """(the mean weighted by the runs' steps, the standard error of that mean when the
+        values are themselves standard errors, the runs independent), over the runs that have one."""
         have = [(v, w) for v, w in zip(values, weights) if v is not None]
-        return sum(v * w for v, w in have) / sum(w for _, w in have) if have else None
+        if not have:
+            return None, None
+        steps = sum(w for _, w in have)
+        return sum(v * w for v, w in have) / steps, sum((v * w) ** 2 for v, w in have) ** 0.5 / steps
 
-    def se(values: list) -> float | None:  # of the weighted mean, the runs independent
-        have = [(v, w) for v, w in zip(values, weights) if v is not None]
-        return sum((v * w) ** 2 for v, w in have) ** 0.5 / sum(w for _, w in have) if have else None
+    mean = lambda values: pooled(values)[0]  # noqa: E731
+    se = lambda values: pooled(values)[1]  # noqa: E731
 
     units = [m.get("unit_waits_ms") or {} for m in runs]
     ses = [m.get("wait_se_ms") or {} for m in runs]
