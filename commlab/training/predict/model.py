@@ -200,6 +200,15 @@ def _stretched(rate: float | list, by: float) -> float | list:
     return [[n, r * by] for n, r in rate] if isinstance(rate, list) else rate * by
 
 
+def wait_charged(prof: Profile, kinds: str = "step") -> tuple[float, float | None]:
+    """(ms a rank waits at synchronisations of these kinds per step, its standard error):
+    "step" once, at backward's end (DDP, ZeRO-1); FSDP's units by ddp:noop's marks ("fbe"
+    resharded, "fe" not), the once-a-step figure where they were not marked."""
+    if kinds != "step" and kinds in prof.unit_waits_ms:
+        return prof.unit_waits_ms[kinds], prof.wait_se_ms.get(kinds)
+    return prof.arrival_skew_ms, prof.wait_se_ms.get("step")
+
+
 def first_touch_us(prof: Profile, nbytes: float) -> float:
     """The page faults of a freshly allocated nbytes buffer's first write (this host; 0 on
     a hardware profile, whose caching allocator has none): at the rate measured at the
@@ -311,11 +320,12 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
     earlier = (s.accum_steps - 1) * (fwd + bwd)
     it = earlier + fwd + bwd + slowed + exposed + opt
     busy = 100.0 * (earlier + fwd + bwd + opt + exposed) / it
+    wait_ms, wait_se = wait_charged(prof)
     if total:
         # A rank that ends backward early waits for the last: compare reports the busiest
         # rank's sync, so that wait is in it; the iteration (the slowest rank's) already
         # holds it in the measured compute.
-        waiting = prof.arrival_skew_ms * 1e3
+        waiting = wait_ms * 1e3
         total += waiting
         exposed += waiting
     info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / 1e3,
@@ -328,13 +338,12 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
     comm = st.param_bytes if bks else 0
     if prof.device == "cpu":  # compare reports peak RSS (interpreter and torch too) and CPU time: not modelled
         return _row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm, waiting,
-                    prof.wait_se_ms.get("step"))
+                    wait_se)
     # Weights, the step's peak of everything else (activations, gradients, temporaries), the
     # input batch, DDP's bucket copies of the gradients and the optimizer's state.
     mem = st.param_bytes + st.buffers_bytes + st.peak_bytes + st.input_bytes + (st.param_bytes if bks else 0) \
         + state_bytes(st)
-    return _row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm, waiting,
-                prof.wait_se_ms.get("step"))
+    return _row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm, waiting, wait_se)
 
 
 def predict_dp(s: Setup, prof: Profile, steps: Steps) -> dict:

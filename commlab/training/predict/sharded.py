@@ -260,7 +260,7 @@ def predict(mode: str, s, prof, steps) -> dict:
         it = ddp_it - opt + opt / p + bcast
         total, exposed = ddp_total + bcast, ddp_exposed + bcast
         waiting = ddp["grad_sync_ms"]["exposed"] * 1e3 - ddp["grad_sync_ms"]["after_arrival"] * 1e3
-        wait_se = prof.wait_se_ms.get("step")
+        wait_se = M.wait_charged(prof)[1]
         held = {"parameters": st.param_bytes, "gathered": 0.0, "gradients": st.param_bytes,
                 "optimizer_state": state / p, "buckets": st.param_bytes}
         comm = 2 * st.param_bytes
@@ -273,9 +273,7 @@ def predict(mode: str, s, prof, steps) -> dict:
         # As predict_ddp, a rank that reaches a collective first waits there for the last; FSDP
         # synchronises at every unit, the ranks drifting apart between units (ddp:noop's marks)
         # and leaving each call apart (the probe's exit spread).
-        key = "fe" if mode == "fsdp:noreshard" else "fbe"
-        drift = prof.unit_waits_ms.get(key, prof.arrival_skew_ms)
-        wait_se = prof.wait_se_ms.get(key if key in prof.unit_waits_ms else "step")
+        drift, wait_se = M.wait_charged(prof, "fe" if mode == "fsdp:noreshard" else "fbe")
         waiting = drift * 1e3 + facts.pop("exit_spread_us")
         total, exposed = total + waiting, exposed + waiting
         info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, **facts, "per_device_batch": b, **M._micro(s)}
