@@ -165,7 +165,8 @@ def test_emulated_hosts_script_runs_the_bench_over_shaped_links():
     before = _ip("netns", "list").stdout
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "emulated_hosts.py"), "--hosts", "2",
                            "--ranks", "2", "--rate", "10gbit", "--port", "29613", "--", "--algorithms", "builtin,hier",
-                           "-b", "256K", "-e", "256K", "--anchors", "none", "-n", "2", "-w", "1", "--rounds", "1"],
+                           "-b", "256K", "-e", "256K", "--anchors", "none", "-n", "2", "-w", "1", "--rounds", "1",
+                           "--no-floors"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     rows = [line.split() for line in proc.stdout.splitlines() if " float32 " in line]
@@ -189,7 +190,7 @@ def test_the_bench_traces_ranks_on_two_hosts_on_rank_0s_clock(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "emulated_hosts.py"), "--hosts", "2",
                            "--ranks", "2", "--rate", "10gbit", "--port", "29617", "--", "--algorithms", "builtin",
                            "-b", "64K", "-e", "64K", "--anchors", "none", "-n", "4", "-w", "1", "--rounds", "1",
-                           "--trace", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--no-floors", "--trace", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     meta = doc["otherData"]
