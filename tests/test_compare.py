@@ -421,6 +421,29 @@ def test_the_units_marks_are_only_where_fsdp_synchronises():
     assert kinds.index("e") > len(kinds) // 2
 
 
+def test_the_units_marks_warn_nobody():
+    """The first block's backward-end mark fires on gradients of its outputs only (its input,
+    the batch, needs none): torch warns of that at every backward, and ddp:noop's four ranks
+    printed it into every comparison's output. It is where FSDP reduce-scatters: expected."""
+    import warnings
+
+    import torch
+
+    from commlab.training import workloads
+    from commlab.training.compare import workers
+
+    wl = workloads.build("mlp", width=32, depth=2)
+    log = {"iteration": 0, "start": 0.0, "marks": []}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        workers.mark_units(wl.model, log)
+        x, y = wl.make_batch(2, seed=0, device=torch.device("cpu"))
+        workers.micro_step(log, last=True)
+        wl.loss(wl.model(x), y).backward()
+    assert [kind for _, kind, _, _ in log["marks"]].count("e") == 3  # every block (depth 2: three)
+    assert not [str(w.message) for w in seen if "backward hook" in str(w.message)]
+
+
 def test_the_exposed_sync_splits_at_the_last_ranks_arrival():
     """compare's exposed sync is the largest rank's (rank 0: 0.5 s at the buckets, 0.4 s in
     the call); of it, the part after the last rank arrived is the communication's

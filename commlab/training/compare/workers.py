@@ -8,6 +8,7 @@ import os
 import resource
 import statistics
 import time
+import warnings
 
 import psutil
 import torch
@@ -159,6 +160,10 @@ def mark_units(model, log: dict) -> None:
             log["marks"].append((log["iteration"], kind, k, time.perf_counter() - log["start"]))
         return note
 
+    # The first block's input (the batch) needs no gradient, so its backward-end mark fires on
+    # its outputs' gradients, as FSDP's reduce-scatter does; torch warns of that every step.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
+                            "respect to module outputs", category=UserWarning)
     model.register_forward_pre_hook(mark("f", -1))
     for k, block in enumerate(workloads.blocks(model)):
         block.register_forward_pre_hook(mark("f", k))
