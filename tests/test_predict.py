@@ -373,6 +373,30 @@ def test_this_host_charges_fsdp_the_waits_at_every_unit():
     assert M.predict(["fsdp:shm"], s, no_units, steps)[0]["grad_sync_ms"]["exposed_se"] == 2.0
 
 
+def test_this_host_charges_ddp_the_drift_through_its_optimizer_and_zero1_not():
+    """DDP's ranks drift apart from one end of backward to the next, through the optimizer
+    step between (arrival_skew_ms); ZeRO-1's broadcasts line them up after the optimizer, so
+    it is charged the drift from the step's start ("step_start", with its own ±)."""
+    p, a, b = 4, 30.0, 2e-3
+    names = ("builtin",)
+    benches = [_affine_bench(c, names, p, a, b) for c in ("all_reduce", "broadcast")]
+    kw = dict(compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=40.0, optimizer_ms=50.0)
+    s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
+    steps = M.Steps(s)
+    prof = M.this_host(benches, **kw, unit_waits_ms={"step_start": 15.0}, wait_se_ms={"step": 4.0, "step_start": 3.0})
+    got = {r["mode"]: r for r in M.predict(["ddp", "zero1"], s, prof, steps)}
+    for mode, wait, se in (("ddp", 40.0, 4.0), ("zero1", 15.0, 3.0)):
+        sync = got[mode]["grad_sync_ms"]
+        assert sync["exposed"] - sync["after_arrival"] == pytest.approx(wait), mode
+        assert sync["exposed_se"] == se, mode
+    # ZeRO-1's other figures are DDP's, its broadcasts added: only the wait differs.
+    old = {r["mode"]: r for r in M.predict(["ddp", "zero1"], s, M.this_host(benches, **kw), steps)}
+    z, z0 = got["zero1"]["grad_sync_ms"], old["zero1"]["grad_sync_ms"]
+    assert z["after_arrival"] == pytest.approx(z0["after_arrival"])
+    assert z["total"] == pytest.approx(z0["total"] - 40.0 + 15.0)
+    assert got["zero1"]["iter_ms"] == old["zero1"]["iter_ms"]
+
+
 def test_this_host_prices_fsdps_calls_as_training_issues_them():
     """FSDP's collectives come after compute, the ranks arriving apart and, where they
     outnumber the cores, the early ones asleep: this host's probe (measure.syncprobe)

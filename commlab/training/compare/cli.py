@@ -109,7 +109,7 @@ def run_ddp_mode(mode: str, world: int, args: dict, rank_fn=workers.ddp_rank) ->
         # ddp:noop: what this-host's wait for the last rank is predicted from, per timed iteration.
         **({"arrival_skew_ms": res[0]["arrival_skew_ms"], "backward_end_ms": res[0]["backward_end_ms"],
             "unit_waits_ms": res[0]["unit_waits_ms"], "wait_se_ms": res[0]["wait_se_ms"]}
-           if res[0].get("arrival_skew_ms") is not None else {}),
+           if res[0].get("unit_waits_ms") is not None else {}),  # DDP's skew needs a step before: may be None
         **({"optimizer_ms": max(r["optimizer_ms"] for r in res)} if res[0].get("optimizer_ms") is not None else {}),
         **({"tensor_mb": max(r["tensor_mb"] for r in res),
             "tensor_breakdown_mb": max(res, key=lambda r: r["tensor_mb"])["tensor_breakdown_mb"]}

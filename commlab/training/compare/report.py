@@ -32,7 +32,10 @@ DEFINITIONS = """\
                being a wait for a slower rank. Every
                figure is the largest rank's; predicted: the exposed time charges the
                wait for the last rank predicted from ddp:noop's ends of backward
-               (ranks that arrived give their cores to the rest; FSDP's: the same
+               (DDP's drifting from one to the next, its optimizer step between;
+               ZeRO-1's from the step's start, its broadcasts lining the ranks up
+               after the optimizer; ranks that arrived give their cores to the
+               rest; FSDP's: the same
                between every pair of units it synchronises at, from ddp:noop's marks
                of each block's forward, backward and backward's end, plus how far
                apart the ranks leave each call), the part after the arrival does not;

@@ -66,14 +66,24 @@ def synchronised_arrivals(offsets: list[float], cores: int) -> list[float]:
     return [arrived[r] for r in range(n)]
 
 
-def _ends(logs: list[list]) -> dict[int, dict[int, float]]:
-    """iteration -> rank -> its last bucket's hand-over (s after its own start)."""
+def _ends(logs: list[list], starts: list[dict] | None = None) -> dict[int, dict[int, float]]:
+    """iteration -> rank -> its last bucket's hand-over (s after its own start); with starts
+    (per rank: iteration -> its start, s on the host's clock), s after the rank's previous
+    hand-over instead, for the iterations whose previous one is in the log."""
     ends: dict[int, dict[int, float]] = {}
     for rank, log in enumerate(logs):
         for i, _bucket, t in log:
             mine = ends.setdefault(i, {})
             mine[rank] = max(t, mine.get(rank, 0.0))
-    return ends
+    if starts is None:
+        return ends
+    since: dict[int, dict[int, float]] = {}
+    for i, mine in ends.items():
+        for rank, t in mine.items():
+            before = ends.get(i - 1, {}).get(rank)
+            if before is not None:
+                since.setdefault(i, {})[rank] = starts[rank][i] + t - (starts[rank][i - 1] + before)
+    return since
 
 
 def backward_ends_ms(logs: list[list]) -> list[float]:
@@ -81,15 +91,17 @@ def backward_ends_ms(logs: list[list]) -> list[float]:
     return [max(d.values()) * 1e3 for _i, d in sorted(_ends(logs).items())]
 
 
-def arrival_skew_ms(logs: list[list], cores: int, se: bool = False) -> float | None:
+def arrival_skew_ms(logs: list[list], cores: int, se: bool = False, starts: list[dict] | None = None) -> float | None:
     """The waiting for the last rank a synchronising mode's table would show, predicted from
     the compute-only step (ddp:noop, whose ranks never wait): per iteration how long after
-    its own start each rank hands over its last bucket (the end of backward), those
-    arrivals as they would come once early ranks wait and give their cores away
-    (synchronised_arrivals), then compare's own statistic — per rank the mean over
-    iterations of its wait for the last, the largest rank's. se: that mean's standard error
-    instead."""
-    its = [d for d in _ends(logs).values() if len(d) == len(logs)]
+    its own start each rank hands over its last bucket (the end of backward) — with starts
+    (_ends), how long after its previous hand-over: DDP's ranks leave one synchronisation
+    together and drift apart through the optimizer step, the next forward and backward
+    until the next — those arrivals as they would come once early ranks wait and give their
+    cores away (synchronised_arrivals), then compare's own statistic — per rank the mean
+    over iterations of its wait for the last, the largest rank's. se: that mean's standard
+    error instead."""
+    its = [d for d in _ends(logs, starts).values() if len(d) == len(logs)]
     return _waits_ms([[[d[r] for r in range(len(logs))]] for d in its], cores, se)
 
 
@@ -242,7 +254,7 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         ddp.register_comm_hook(state, timed_default_hook)
     elif mode == "ddp:noop":
         state = None
-        arrivals = {"iteration": -1, "start": 0.0, "times": [], "marks": []}
+        arrivals = {"iteration": -1, "start": 0.0, "starts": {}, "times": [], "marks": []}
         ddp.register_comm_hook(arrivals, arrival_hook)
         if not cuda:  # the marks are read on one host's clock (below)
             mark_units(wl.model, arrivals)
@@ -267,6 +279,9 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     spans: list[tuple[str, float, float]] = []  # --trace: this rank's compute, on the buckets' clock
 
     def step(i):
+        if mode == "ddp:noop":  # every step's hand-overs and marks on the clock of its own start
+            arrivals["iteration"] = i
+            arrivals["start"] = arrivals["starts"][i] = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for k in range(accum):
@@ -309,12 +324,8 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     loss = 0.0
     for i in range(args["warmup"], args["warmup"] + args["iters"]):
         t0 = time.perf_counter()
-        if mode == "ddp:noop":
-            arrivals["iteration"], arrivals["start"] = i, t0
         loss = step(i)
         times.append(time.perf_counter() - t0)
-    if mode == "ddp:noop":
-        arrivals["iteration"] = -1  # the measuring step below is not a timed iteration (it kept the last one's)
     optimizer_ms = sorted(opt_times)[len(opt_times) // 2] * 1e3 if opt_times else None  # the timed steps'
     if sampler is not None:
         util = (sampler.stop() or [None])[0]
@@ -344,18 +355,28 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         state.close()
     skew = ends = units = wait_se = None
     if mode == "ddp:noop" and not cuda:  # one clock: the ranks of one machine
-        logs, marks = [None] * world, [None] * world
-        dist.all_gather_object(logs, [t for t in arrivals["times"] if t[0] >= args["warmup"]])
+        # The timed steps (not the measuring step after them), and the last warm-up step: where
+        # the first timed one's stretch since the previous end of backward begins.
+        timed = range(args["warmup"], args["warmup"] + args["iters"])
+        kept = range(max(0, timed.start - 1), timed.stop)
+        logs, marks, starts = [None] * world, [None] * world, [None] * world
+        dist.all_gather_object(logs, [t for t in arrivals["times"] if t[0] in kept])
+        dist.all_gather_object(starts, {i: t for i, t in arrivals["starts"].items() if i in kept})
         root_end = [(i, "e", -1, max(ranks.values())) for i, ranks in _ends([arrivals["times"]]).items()]
-        dist.all_gather_object(marks, [t for t in arrivals["marks"] + root_end if t[0] >= args["warmup"]])
+        dist.all_gather_object(marks, [t for t in arrivals["marks"] + root_end if t[0] in timed])
         cores = len(os.sched_getaffinity(0))
-        skew = arrival_skew_ms(logs, cores)
-        ends = backward_ends_ms(logs)
+        in_timed = [[t for t in log if t[0] in timed] for log in logs]
+        # DDP's ranks drift from one end of backward to the next; ZeRO-1's from the step's
+        # start (its broadcasts line them up after the optimizer).
+        skew = arrival_skew_ms(logs, cores, starts=starts)
+        from_start = arrival_skew_ms(in_timed, cores)
+        ends = backward_ends_ms(in_timed)
         # FSDP synchronises at each block's forward, backward (resharded) and backward's end.
-        units = {kinds: unit_waits_ms(marks, cores, kinds) for kinds in ("fbe", "fe")}
+        units = {**{kinds: unit_waits_ms(marks, cores, kinds) for kinds in ("fbe", "fe")}, "step_start": from_start}
         # How much each figure moves from step to step: the predicted exposed sync's ± (keys as units').
-        wait_se = {"step": arrival_skew_ms(logs, cores, se=True),
-                   **{kinds: unit_waits_ms(marks, cores, kinds, se=True) for kinds in units}}
+        wait_se = {"step": arrival_skew_ms(logs, cores, se=True, starts=starts),
+                   "step_start": arrival_skew_ms(in_timed, cores, se=True),
+                   **{kinds: unit_waits_ms(marks, cores, kinds, se=True) for kinds in ("fbe", "fe")}}
     return {"times": slowest.cpu().tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": mem,
             "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"],
             "arrival_skew_ms": skew, "backward_end_ms": ends, "unit_waits_ms": units, "wait_se_ms": wait_se,

@@ -33,20 +33,22 @@ class Profile:
     fits: dict = field(default_factory=dict)  # collective -> algorithm -> {alpha_us, beta_us_per_byte, gamma_us_per_byte}
     measured: dict = field(default_factory=dict)  # collective -> algorithm -> [[bytes, µs], ...]: the bench's own rows
     overlap: bool = True  # False where ranks outnumber cores: communication shares the cores backward needs
-    arrival_skew_ms: float = 0.0  # the wait for the last rank a synchronising mode shows (from ddp:noop's arrivals)
+    arrival_skew_ms: float = 0.0  # the wait for the last rank DDP shows (from ddp:noop's ends of backward)
     optimizer_ms: float | None = None  # of compute_ms, the optimizer step (ddp:noop): shared out by bytes, not FLOPs
     copy_us_per_byte: float | None = None  # this host: a byte read or written by a copy (a third of the bench's γ)
     # this host: a fresh buffer's page faults per byte, with ranks sharing cores; one rate, or [[bytes, rate], ...]
     # measured per size (a size pays the rate at the largest size not above it: glibc recycles small buffers)
     first_touch_us_per_byte: float | list = 0.0
-    # this host, FSDP: the wait for the last rank summed over a step's units, from ddp:noop's marks (key: the
-    # synchronisations, "fbe" resharded: each unit's forward, backward and backward's end; "fe" not resharded)
+    # this host: the wait for the last rank summed over a step's synchronisations, from ddp:noop (key: the
+    # synchronisations; FSDP's units by its marks, "fbe" resharded: each unit's forward, backward and backward's
+    # end, "fe" not resharded; "step_start": backward's end alone, drifting from the step's start, as ZeRO-1's
+    # broadcasts line the ranks up after the optimizer; arrival_skew_ms: DDP's, from one end of backward to the next)
     unit_waits_ms: dict = field(default_factory=dict)
     # this host, FSDP: each collective called after compute, as training calls it (measure.syncprobe:
     # collective -> algorithm -> after_us, exit_spread_us at bytes): its ratio to the bench, its exit spread
     in_training: dict = field(default_factory=dict)
     # this host: the standard error of each wait above over ddp:noop's steps ("step": arrival_skew_ms's;
-    # "fbe", "fe": unit_waits_ms'): how much the host's drift moves from step to step, the exposed sync's ±
+    # the others: unit_waits_ms'): how much the host's drift moves from step to step, the exposed sync's ±
     wait_se_ms: dict = field(default_factory=dict)
 
 
@@ -202,8 +204,10 @@ def _stretched(rate: float | list, by: float) -> float | list:
 
 def wait_charged(prof: Profile, kinds: str = "step") -> tuple[float, float | None]:
     """(ms a rank waits at synchronisations of these kinds per step, its standard error):
-    "step" once, at backward's end (DDP, ZeRO-1); FSDP's units by ddp:noop's marks ("fbe"
-    resharded, "fe" not), the once-a-step figure where they were not marked."""
+    "step" once, at backward's end, drifting from the previous one (DDP); "step_start" once,
+    at backward's end, drifting from the step's start (ZeRO-1, whose broadcasts synchronise
+    after the optimizer); FSDP's units by ddp:noop's marks ("fbe" resharded, "fe" not); the
+    once-a-step figure where the kind was not measured."""
     if kinds != "step" and kinds in prof.unit_waits_ms:
         return prof.unit_waits_ms[kinds], prof.wait_se_ms.get(kinds)
     return prof.arrival_skew_ms, prof.wait_se_ms.get("step")

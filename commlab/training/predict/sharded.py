@@ -258,9 +258,12 @@ def predict(mode: str, s, prof, steps) -> dict:
         # Every parameter broadcast from its owner after the step: one call each, blocking.
         bcast = sum(M.collective_us(prof, "broadcast", BROADCAST[prof.device], p, n) for n in st.params)
         it = ddp_it - opt + opt / p + bcast
-        total, exposed = ddp_total + bcast, ddp_exposed + bcast
-        waiting = ddp["grad_sync_ms"]["exposed"] * 1e3 - ddp["grad_sync_ms"]["after_arrival"] * 1e3
-        wait_se = M.wait_charged(prof)[1]
+        # DDP's wait is the drift from one end of backward to the next, its optimizer step
+        # between; ZeRO-1's broadcasts line the ranks up after the optimizer: from the step's start.
+        ddp_waiting = ddp["grad_sync_ms"]["exposed"] * 1e3 - ddp["grad_sync_ms"]["after_arrival"] * 1e3
+        wait_ms, wait_se = M.wait_charged(prof, "step_start")
+        waiting = wait_ms * 1e3 if ddp_waiting else 0.0  # no buckets, no wait (as DDP's)
+        total, exposed = ddp_total - ddp_waiting + waiting + bcast, ddp_exposed - ddp_waiting + waiting + bcast
         held = {"parameters": st.param_bytes, "gathered": 0.0, "gradients": st.param_bytes,
                 "optimizer_state": state / p, "buckets": st.param_bytes}
         comm = 2 * st.param_bytes
