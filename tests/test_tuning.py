@@ -118,8 +118,8 @@ def test_bench_tune_writes_the_layouts_entry(tmp_path):
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     proc = subprocess.run([sys.executable, "-m", "commlab.allreduce_bench", "--world-size", "2", "--algorithms",
                            "builtin,shm,ring,auto", "-b", "4K", "-e", "64K", "-f", "16", "--anchors", "none", "-n", "3",
-                           "-w", "1", "--rounds", "1", "--no-floors", "--tune", str(f)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=240)
+                           "-w", "1", "--rounds", "1", "--no-floors", "--tune", str(f)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(f.read_text())
     entries = {(e["device"], e["world_size"], e["hosts"]): e for e in doc["layouts"]}
