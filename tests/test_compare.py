@@ -640,3 +640,51 @@ def test_core_drift_counts_each_ranks_work_per_window():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "window  0: chunks per rank [" in proc.stdout and "spread per 0.5 s window" in proc.stdout, proc.stdout
+
+
+def test_this_host_pools_the_bench_and_probe_taken_first_and_last():
+    """The bench and the probe of FSDP's calls are what every collective is priced from,
+    and one sample reads one moment's phase of the machine (a probe at 19:59 put gloo's
+    reduce-scatter at 170 ms where one an hour earlier read 125): like the compute-only
+    step, each is taken first and last and averaged."""
+    from commlab.training.compare import cli
+
+    def bench(t, gamma):
+        return {"collective": "all_gather", "env": {"world_size": 4, "gamma_us_per_byte": gamma},
+                "results": [{"algorithm": "shm", "bytes": n, "time_us": t * n} for n in (4096, 65536)]}
+
+    probe = lambda after: {"all_gather": {"shm": {"after_us": after, "exit_spread_us": after / 10,  # noqa: E731
+                                                  "wait_us": 5.0, "bytes": 1 << 20, "work_ms": 50.0, "reps": 12}}}
+    benches, probes = cli.pooled_samples([{"benches": [bench(1.0, 0.3)], "in_training": probe(100.0)},
+                                          {"benches": [bench(3.0, 0.5)], "in_training": probe(300.0)}])
+    assert len(benches) == 1 and benches[0]["collective"] == "all_gather"
+    assert sorted((r["bytes"], r["time_us"], r["samples"]) for r in benches[0]["results"]) == [
+        (4096, 2.0 * 4096, 2), (65536, 2.0 * 65536, 2)]
+    assert benches[0]["env"]["gamma_us_per_byte"] == pytest.approx(0.4)
+    got = probes["all_gather"]["shm"]
+    assert got["after_us"] == pytest.approx(200.0) and got["exit_spread_us"] == pytest.approx(20.0)
+    assert got["samples_after_us"] == [100.0, 300.0] and got["bytes"] == 1 << 20
+    # A size one sample alone timed keeps its one time.
+    other = dict(bench(5.0, None), results=[{"algorithm": "ring", "bytes": 8, "time_us": 9.0}])
+    benches, _ = cli.pooled_samples([{"benches": [bench(1.0, 0.3), other], "in_training": {}}])
+    assert {(r["algorithm"], r["bytes"]): r["time_us"] for r in benches[0]["results"]}[("ring", 8)] == 9.0
+
+
+def test_compare_samples_the_host_after_the_first_compute_only_step_and_after_the_last(monkeypatch, capsys):
+    from commlab.training.compare import cli
+
+    events = []
+
+    def run_mode(mode, world, args):
+        events.append(mode)
+        return {"mode": mode, "status": "ok", "iteration_ms": [10.0, 11.0], "iter_ms": {"median": 10.5, "p90": 11.0},
+                "arrival_skew_ms": 1.0, "unit_waits_ms": {}, "wait_se_ms": {}, "grad_sync_ms": {"total": 0.0,
+                "exposed": 0.0, "after_arrival": 0.0}, "samples_per_s": 1.0, "peak_memory_mb": [1.0] * 2,
+                "util_percent": [1.0] * 2, "final_loss": 0.0}
+
+    monkeypatch.setattr(cli, "run_mode", run_mode)
+    monkeypatch.setattr(cli, "host_sample", lambda world, modes, args: events.append("sample")
+                        or {"benches": [], "in_training": {}})
+    cli.main(["--device", "cpu", "--world-size", "2", "--modes", "ddp:noop", "--model", "mlp", "--width", "16",
+              "--depth", "2", "--batch-size", "4", "--predict", "this-host"])
+    assert events == ["ddp:noop", "sample", "ddp:noop", "sample"], events

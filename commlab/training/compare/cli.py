@@ -146,29 +146,36 @@ def run_mode(mode: str, world: int, args: dict) -> dict:
             "reason": f"no such mode for {device} (modes: {', '.join(all_modes(device))})"}
 
 
-def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, world: int) -> list[dict]:
-    """commlab.predict's rows for the measured modes' setup, each with the same mode
-    name and "predicted": true."""
-    from commlab.training.predict import model as M
+def _predicted_modes(modes: list[str]) -> list[str]:
     from commlab.training.predict import sharded as S
+
+    wanted = [m for m in modes if m == "dp" or m == "ddp" or m.startswith("ddp:") or S.is_sharded(m)]
+    return list(dict.fromkeys(wanted))  # this-host runs ddp:noop twice: one predicted column
+
+
+def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, world: int,
+              samples: list[dict] | None = None) -> list[dict]:
+    """commlab.predict's rows for the measured modes' setup, each with the same mode
+    name and "predicted": true. this-host: `samples` are host_sample()s taken earlier in
+    the run (compare takes one after the first compute-only step); one more is taken now,
+    and they are pooled."""
+    from commlab.training.predict import model as M
 
     s = M.Setup(model=args["model"], world=world, batch_size=args["batch_size"], bucket_cap_mb=args["bucket_cap_mb"],
                 amp=args["amp"], checkpoint=args["checkpoint"], optimizer=args.get("optimizer", "sgd"),
                 accum_steps=args.get("accum_steps", 1), **workloads.options(args))
-    wanted = [m for m in modes if m == "dp" or m == "ddp" or m.startswith("ddp:") or S.is_sharded(m)]
-    wanted = list(dict.fromkeys(wanted))  # this-host runs ddp:noop twice: one predicted column
+    wanted = _predicted_modes(modes)
     if profile == "this-host":
         noop = compute_step(measured)
         if noop is None:
             return [{"mode": m, "status": "unavailable", "predicted": True,
                      "reason": "this-host needs the measured compute-only step (ddp:noop), which failed"} for m in wanted]
-        benches = [host_bench(world, c, names) for c, names in host_collectives(wanted).items()]
+        benches, probes = pooled_samples(list(samples or []) + [host_sample(world, modes, args)])
         from commlab.measure.costmodel import measure_first_touch
 
         prof = M.this_host(benches, noop["iter_ms"]["median"], world, len(os.sched_getaffinity(0)),
                            noop.get("arrival_skew_ms", 0.0), noop.get("optimizer_ms"), measure_first_touch(),
-                           noop.get("unit_waits_ms"), probe_in_training(world, wanted, largest_unit_bytes(args)),
-                           noop.get("wait_se_ms"))
+                           noop.get("unit_waits_ms"), probes, noop.get("wait_se_ms"))
     else:
         prof = M.load_profile(profile)
     rows = M.predict(wanted, s, prof)
@@ -208,6 +215,47 @@ def compute_step(measured: list[dict]) -> dict | None:
             "unit_waits_ms": {k: mean([u.get(k) for u in units]) for k in units[0]} if units[0] else None,
             "wait_se_ms": {k: se([e.get(k) for e in ses]) for k in ses[0]},
             "runs": len(runs)}
+
+
+def host_sample(world: int, modes: list[str], args: dict) -> dict:
+    """What this-host is fitted to besides the compute-only step, measured once: a bench
+    of each collective the modes call, and the probe of FSDP's calls after compute. Taken
+    first and last in a comparison and pooled, as the compute-only step is: one sample
+    read the machine's phase at one moment (a probe at 19:59 put gloo's reduce-scatter at
+    170 ms where one an hour earlier read 125) and carried it into every mode."""
+    wanted = _predicted_modes(modes)
+    return {"benches": [host_bench(world, c, names) for c, names in host_collectives(wanted).items()],
+            "in_training": probe_in_training(world, wanted, largest_unit_bytes(args))}
+
+
+def pooled_samples(samples: list[dict]) -> tuple[list[dict], dict]:
+    """host_sample()s pooled: (one bench per collective, each (algorithm, size)'s time the
+    mean over the samples that timed it; the probes, each figure the mean over samples,
+    with every sample's after_us kept to show how far they moved)."""
+    benches: dict[str, dict] = {}
+    for sample in samples:
+        for b in sample["benches"]:
+            c = b.get("collective", "all_reduce")
+            merged = benches.setdefault(c, {**b, "results": [], "_times": {}, "_gammas": []})
+            if b["env"].get("gamma_us_per_byte"):
+                merged["_gammas"].append(b["env"]["gamma_us_per_byte"])
+            for r in b["results"]:
+                merged["_times"].setdefault((r["algorithm"], r["bytes"]), (r, []))[1].append(r["time_us"])
+    out = []
+    for b in benches.values():
+        times, gammas = b.pop("_times"), b.pop("_gammas")
+        b["results"] = [dict(r, time_us=sum(ts) / len(ts), samples=len(ts)) for r, ts in times.values()]
+        b["env"] = dict(b["env"], **({"gamma_us_per_byte": sum(gammas) / len(gammas)} if gammas else {}))
+        out.append(b)
+    probes: dict = {}
+    for sample in samples:
+        for c, by in sample["in_training"].items():
+            for name, got in by.items():
+                probes.setdefault(c, {}).setdefault(name, []).append(got)
+    mean = lambda runs, k: sum(g[k] for g in runs) / len(runs)  # noqa: E731
+    return out, {c: {name: {**runs[-1], **{k: mean(runs, k) for k in ("after_us", "exit_spread_us", "wait_us")},
+                            "samples_after_us": [g["after_us"] for g in runs]}
+                     for name, runs in by.items()} for c, by in probes.items()}
 
 
 def host_collectives(modes: list[str]) -> dict[str, list[str]]:
@@ -373,7 +421,7 @@ def main(argv=None) -> int:
                checkpoint=a.checkpoint, accum_steps=a.accum_steps, share_gpu=a.share_gpu, optimizer=args["optimizer"])
     if a.share_gpu:
         env["note"] = "--share-gpu: all DDP ranks on one GPU over gloo, a functional check, not a speed figure"
-    results = []
+    results, samples = [], []
     for n, mode in enumerate(modes):
         # bucket_cap_mb shapes DDP's gradient buckets: swept for the modes that communicate.
         for cap in (caps if _is_ddp(mode) and mode != "ddp:noop" else caps[:1]):
@@ -393,8 +441,10 @@ def main(argv=None) -> int:
             if a.find_max_batch and res["status"] in ("ok", "oom"):
                 res["max_batch"], res["max_batch_probes"] = search.find_max_batch(mode, world, margs, run_mode)
             results.append(res)
+        if a.predict == "this-host" and n == 0 and results[-1]["status"] == "ok":  # the second: in predicted
+            samples.append(host_sample(world, modes, args))
     if a.predict:
-        results += predicted(a.predict, modes, results, args, world)
+        results += predicted(a.predict, modes, results, args, world, samples)
     doc = {"env": env, "modes": results}
     print("\n".join(envinfo.header_lines(env)))
     print()
