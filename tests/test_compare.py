@@ -18,7 +18,7 @@ def test_compare_cpu_modes(tmp_path, extra):
     cmd = [sys.executable, "-m", "commlab.compare", "--device", "cpu", "--world-size", "2",
            "--modes", "dp,ddp,ddp:ring,ddp:shm,ddp:noop,ddp:nope,ddp@commlab", "--model", "mlp", "--width", "64", "--depth", "3",
            "--batch-size", "16", "--iters", "3", "--warmup", "1", "--bucket-cap-mb", "0.01", "--json", str(out), *extra]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", COMMLAB_PROBE_REPS="4", COMMLAB_BENCH_BUDGET="0.02")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())
@@ -51,10 +51,14 @@ def test_compare_cpu_modes(tmp_path, extra):
         for name in ("ddp", "ddp:ring", "ddp:shm"):
             assert pred[name]["iter_ms"]["median"] > pred["ddp:noop"]["iter_ms"]["median"]
             assert pred[name]["grad_sync_ms"]["total"] > 0
-            # The arrival skew is charged to the exposed sync, not to its part after the last arrival.
+            # The arrival skew is charged to the exposed sync, not to its part after the last arrival;
+            # so is how far apart the ranks leave the buckets after backward (the probe's exit spread).
             sync = pred[name]["grad_sync_ms"]
+            probe = pred[name]["profile"]["in_training"]["all_reduce"]["builtin" if name == "ddp" else name[4:]]
+            assert len(probe["samples_after_us"]) == 2  # probed first and last
             assert sync["exposed"] - sync["after_arrival"] == pytest.approx(
-                sum(m["arrival_skew_ms"] for m in noops) / 2)
+                sum(m["arrival_skew_ms"] for m in noops) / 2 + sync["after_arrival"] * probe["exit_spread_us"]
+                / probe["after_us"])
         assert "ddp:shm (pred)" in proc.stdout
     assert modes["dp"]["status"] == "unavailable" and "CUDA" in modes["dp"]["reason"]
     assert modes["ddp:nope"]["status"] == "unavailable"

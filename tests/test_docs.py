@@ -121,8 +121,9 @@ def test_every_example_runs(block, tmp_path):
         assert block.code == (ROOT / block.tags["file"]).read_text(), f"{block.id} differs from {block.tags['file']}"
         return
     cwd = _scratch(tmp_path)
-    # The examples are run to show they work, not to time anything: a short benchmark budget.
-    env = clean_launch_env(GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", COMMLAB_BENCH_BUDGET="0.02")
+    # The examples are run to show they work, not to time anything: a short benchmark budget, short probes.
+    env = clean_launch_env(GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", COMMLAB_BENCH_BUDGET="0.02",
+                           COMMLAB_PROBE_REPS="4")
     if block.lang == "bash":
         cmd = ["bash", "-euo", "pipefail", "-c", block.code]
     else:

@@ -438,6 +438,39 @@ def test_this_host_prices_fsdps_calls_as_training_issues_them():
         assert void["grad_sync_ms"] == pytest.approx(unprobed["grad_sync_ms"], rel=1e-9)
 
 
+def test_this_host_prices_what_is_left_of_ddps_buckets_after_backward_as_the_probe_times_it():
+    """DDP's buckets left after backward are called after compute, the ranks arriving
+    apart; in training (2026-12-06 traces, 4 ranks on 2 cores, the issue's 1024x8 model)
+    that tail took 79-93 ms after the last arrival where the bench's back-to-back calls
+    priced 23-33. The probe's all-reduce in place at a bucket's size gives the ratio and
+    how far apart the ranks leave it, as for FSDP's calls: the tail priced at the ratio,
+    the spread joining the wait; a hardware profile (no probe) unchanged."""
+    p, a, b, n = 4, 30.0, 2e-3, 8 << 20
+    benches = [_affine_bench("all_reduce", ("builtin", "shm"), p, a, b)]
+    kw = dict(compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0)
+    base = M.this_host(benches, **kw)
+    s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, bucket_cap_mb=0.05)
+    steps = M.Steps(s)
+    probe = {"all_reduce": {"builtin": {"after_us": 3 * M.collective_us(base, "all_reduce", "builtin", p, n),
+                                        "exit_spread_us": 0.0, "bytes": n}}}
+    probe["all_reduce"]["builtin"]["exit_spread_us"] = probe["all_reduce"]["builtin"]["after_us"] / 10
+    slow = M.this_host(benches, **kw, in_training=probe)
+    before = M.predict(["ddp", "ddp:shm"], s, base, steps)
+    after = M.predict(["ddp", "ddp:shm"], s, slow, steps)
+    tail = before[0]["grad_sync_ms"]["after_arrival"]
+    assert tail > 0
+    assert after[0]["grad_sync_ms"]["after_arrival"] == pytest.approx(3 * tail, rel=1e-9)
+    # The wait: the drift from one end of backward to the next, plus the ranks' exit spread.
+    assert after[0]["grad_sync_ms"]["exposed"] - after[0]["grad_sync_ms"]["after_arrival"] == pytest.approx(
+        5.0 + 0.3 * tail)
+    assert after[0]["grad_sync_ms"]["total"] == pytest.approx(before[0]["grad_sync_ms"]["total"] + 2 * tail
+                                                              + 0.3 * tail)
+    # The longer tail delays the step; the wait does not (the measured compute holds it).
+    assert after[0]["iter_ms"]["median"] == pytest.approx(before[0]["iter_ms"]["median"] + 2 * tail, rel=1e-9)
+    # An algorithm not probed is priced as before.
+    assert after[1]["grad_sync_ms"] == pytest.approx(before[1]["grad_sync_ms"], rel=1e-9)
+
+
 def test_this_host_prices_a_call_from_the_bench_times_around_its_size():
     """Between two sizes the bench timed, a call costs what the bench measured there,
     interpolated; the α-β fit only past them. gloo's all-gather grows faster than linearly

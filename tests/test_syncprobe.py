@@ -44,7 +44,8 @@ def test_compare_probes_the_collectives_its_fsdp_modes_call(monkeypatch):
     from commlab.training.compare import cli
 
     seen = []
-    monkeypatch.setattr(syncprobe, "measure", lambda world, c, name, nbytes: seen.append((world, c, name)) or {"x": 1})
+    monkeypatch.setattr(syncprobe, "measure", lambda world, c, name, nbytes, reps: seen.append((world, c, name))
+                        or {"x": 1})
     got = cli.probe_in_training(4, ["ddp", "zero1", "fsdp", "fsdp:shm", "fsdp:noreshard"])
     assert got == {c: {"builtin": {"x": 1}, "shm": {"x": 1}} for c in ("all_gather", "reduce_scatter")}
     assert sorted(seen) == sorted((4, c, n) for c in ("all_gather", "reduce_scatter") for n in ("builtin", "shm"))
@@ -52,6 +53,31 @@ def test_compare_probes_the_collectives_its_fsdp_modes_call(monkeypatch):
     # At the size of the model's largest unit, where FSDP spends its time: a block of the
     # issue's transformer (width 1024: 12.6 M parameters, 48 MiB in fp32).
     sizes = []
-    monkeypatch.setattr(syncprobe, "measure", lambda world, c, name, nbytes: sizes.append(nbytes) or {})
+    monkeypatch.setattr(syncprobe, "measure", lambda world, c, name, nbytes, reps: sizes.append(nbytes) or {})
     cli.probe_in_training(4, ["fsdp"], cli.largest_unit_bytes({"model": "transformer", "width": 1024, "depth": 8}))
     assert set(sizes) == {12_596_224 * 4}
+
+
+def test_compare_probes_ddps_bucket_all_reduces_in_place(monkeypatch):
+    """With a bucket size, --predict this-host also probes each all-reduce a DDP-bucketed
+    mode calls (ddp and zero1: DDP's own, builtin; ddp:<algorithm>: that one), at a full
+    bucket of the model, and none for the compute-only step or a mode that names no
+    algorithm (compare reports it unavailable); fewer calls where
+    $COMMLAB_PROBE_REPS says so."""
+    from commlab.training.compare import cli
+
+    seen = []
+    monkeypatch.setattr(syncprobe, "measure", lambda world, c, name, nbytes, reps: seen.append((c, name, nbytes, reps))
+                        or {"x": 1})
+    monkeypatch.setenv("COMMLAB_PROBE_REPS", "4")
+    got = cli.probe_in_training(4, ["ddp:noop", "ddp", "zero1", "ddp:shm", "ddp:nope"], 1 << 20, ddp_bytes=3 << 20)
+    assert got == {"all_reduce": {"builtin": {"x": 1}, "shm": {"x": 1}}}
+    assert sorted(seen) == [("all_reduce", "builtin", 3 << 20, 4), ("all_reduce", "shm", 3 << 20, 4)]
+    # A full bucket: --bucket-cap-mb in MiB, or the whole model's gradients where smaller.
+    assert cli.ddp_bucket_bytes({"model": "transformer", "width": 1024, "depth": 8, "bucket_cap_mb": 25}) == 25 << 20
+    assert cli.ddp_bucket_bytes({"model": "mlp", "width": 16, "depth": 2, "bucket_cap_mb": 25}) < 1 << 20
+
+
+def test_the_probe_reduces_a_bucket_in_place_on_ranks_of_this_machine():
+    got = syncprobe.measure(2, "all_reduce", "shm", 1 << 16, work_ms=2.0, reps=4)
+    assert got["bytes"] == 1 << 16 and got["after_us"] > 0 and got["exit_spread_us"] >= 0

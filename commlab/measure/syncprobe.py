@@ -81,13 +81,15 @@ def probe_rank(rank: int, world: int, collective: str, algorithm: str, nbytes: i
 
     spec = SPECS[collective]  # the bench's sizes and call: nbytes is the gathered output, the reduced input
     count = spec.count(nbytes, 4, world)
+    # In place (all-reduce): DDP's bucket, allocated once and reduced every step; else FSDP2's fresh buffers.
+    bucket = torch.ones(count) if spec.output is None else None
     a = torch.randn(256, 256)
     calls = []
     dist.barrier()
     for _ in range(reps):
         for _ in range(matmuls):
             a @ a
-        out, inp = fsdp_buffers(collective, count, rank, world)
+        out, inp = (None, bucket) if bucket is not None else fsdp_buffers(collective, count, rank, world)
         t0 = time.perf_counter()
         spec.run(algorithm, out, inp, Op.SUM)
         calls.append((t0, time.perf_counter()))

@@ -225,7 +225,7 @@ def host_sample(world: int, modes: list[str], args: dict) -> dict:
     170 ms where one an hour earlier read 125) and carried it into every mode."""
     wanted = _predicted_modes(modes)
     return {"benches": [host_bench(world, c, names) for c, names in host_collectives(wanted).items()],
-            "in_training": probe_in_training(world, wanted, largest_unit_bytes(args))}
+            "in_training": probe_in_training(world, wanted, largest_unit_bytes(args), ddp_bucket_bytes(args))}
 
 
 def pooled_samples(samples: list[dict]) -> tuple[list[dict], dict]:
@@ -283,20 +283,42 @@ def largest_unit_bytes(args: dict) -> int:
     return max(sizes, default=16 << 20)
 
 
-def probe_in_training(world: int, modes: list[str], nbytes: int = 16 << 20) -> dict:
-    """What this-host's FSDP modes need beyond the bench: each of their all-gathers and
-    reduce-scatters called after compute into fresh buffers (measure.syncprobe), at nbytes
-    (compare: the model's largest unit, whose calls are most of FSDP's time and whose fresh
-    output's page faults depend on its size)."""
+def ddp_bucket_bytes(args: dict) -> int:
+    """A full DDP bucket of this model: --bucket-cap-mb (MiB, as DDP reads it), or every
+    gradient where they fit in fewer bytes."""
+    with torch.device("meta"):
+        model = workloads.build(args["model"], **workloads.options(args)).model
+    return max(1, min(int(args["bucket_cap_mb"] * 2**20), sum(p.numel() * p.element_size()
+                                                               for p in model.parameters())))
+
+
+def _ddp_all_reduces(modes: list[str]) -> list[str]:
+    """The all-reduce algorithms the DDP-bucketed modes call (zero1: DDP's own)."""
+    cpu = algorithms.for_device("cpu")
+    names = ["builtin" if m in ("ddp", "zero1") else m[4:] for m in modes
+             if m in ("ddp", "zero1") or (m.startswith("ddp:") and m[4:] in cpu)]
+    return list(dict.fromkeys(names))
+
+
+def probe_in_training(world: int, modes: list[str], nbytes: int = 16 << 20, ddp_bytes: int | None = None) -> dict:
+    """What this-host's modes need beyond the bench, each call made after compute as
+    training makes it (measure.syncprobe): FSDP's all-gathers and reduce-scatters into
+    fresh buffers at nbytes (compare: the model's largest unit, whose calls are most of
+    FSDP's time and whose fresh output's page faults depend on its size); with ddp_bytes,
+    DDP's bucket all-reduces in place at that size (what is left of them after backward
+    is what the table's "after the last rank arrived" reads). $COMMLAB_PROBE_REPS: calls
+    per probe (default 12; the docs' examples, run to show they work, take fewer)."""
     from commlab.measure import syncprobe
 
+    reps = int(os.environ.get("COMMLAB_PROBE_REPS", syncprobe.REPS))
+    calls = [(c, name, nbytes) for c, names in host_collectives([m for m in modes if m.startswith("fsdp")]).items()
+             if c in ("all_gather", "reduce_scatter") for name in names]
+    if ddp_bytes:
+        calls += [("all_reduce", name, ddp_bytes) for name in _ddp_all_reduces(modes)]
     out: dict = {}
-    for collective, names in host_collectives([m for m in modes if m.startswith("fsdp")]).items():
-        if collective in ("all_gather", "reduce_scatter"):
-            for name in names:
-                print(f"# predicting this-host: {collective} {name} after compute (syncprobe)", file=sys.stderr,
-                      flush=True)
-                out.setdefault(collective, {})[name] = syncprobe.measure(world, collective, name, nbytes)
+    for collective, name, n in calls:
+        print(f"# predicting this-host: {collective} {name} after compute (syncprobe)", file=sys.stderr, flush=True)
+        out.setdefault(collective, {})[name] = syncprobe.measure(world, collective, name, n, reps=reps)
     return out
 
 

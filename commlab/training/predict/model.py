@@ -198,6 +198,19 @@ def collective_us(prof: Profile, collective: str, algorithm: str, p: int, nbytes
     return link["call_latency_us"] + c.time(link["step_latency_us"], 1 / (link["gbps"] * 1e3), gamma)
 
 
+def in_training(prof, collective: str, algorithm: str, p: int) -> tuple[float, float, bool]:
+    """(how much longer a call takes after compute than the bench's back-to-back one, its
+    exit spread per µs of call, whether a probe gave them) from this host's probe
+    (measure.syncprobe) at its size; (1, 0, False) without one (a hardware profile: one
+    rank per device, none descheduled) or where it timed nothing. FSDP's calls and DDP's
+    buckets both."""
+    got = prof.in_training.get(collective, {}).get(algorithm)
+    if not got or got["after_us"] <= 0:
+        return 1.0, 0.0, False
+    return got["after_us"] / collective_us(prof, collective, algorithm, p, got["bytes"]), \
+        got["exit_spread_us"] / got["after_us"], True
+
+
 def _stretched(rate: float | list, by: float) -> float | list:
     return [[n, r * by] for n, r in rate] if isinstance(rate, list) else rate * by
 
@@ -306,7 +319,7 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
     for x in t:
         done.append(done[-1] + x)
     algorithm = "builtin" if mode == "ddp" else mode.split(":", 1)[1] if mode.startswith("ddp:") else None
-    total = exposed = waiting = slowed = 0.0
+    total = exposed = waiting = slowed = exit_spread = 0.0
     bks = buckets(st.params, s.bucket_cap_mb, ready_order(st)) if algorithm not in (None, "noop") else []
     if bks:
         ready = [max(done[st.grad_ready[i]] for i in bk) for bk in bks]
@@ -320,6 +333,12 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
         else:
             compute_end, end = shared_cores(ready, costs, fwd + bwd)
             slowed, exposed = compute_end - (fwd + bwd), end - compute_end
+        # What is left after backward is called after compute, the ranks arriving apart (this
+        # host's probe): longer than the bench's back-to-back calls, and the ranks leave it apart.
+        factor, spread, _ = in_training(prof, "all_reduce", algorithm, p)
+        total += exposed * (factor - 1)
+        exposed *= factor
+        exit_spread = exposed * spread
     # Accumulation: the micro-steps before the last run under no_sync, without a bucket.
     earlier = (s.accum_steps - 1) * (fwd + bwd)
     it = earlier + fwd + bwd + slowed + exposed + opt
@@ -329,7 +348,7 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
         # A rank that ends backward early waits for the last: compare reports the busiest
         # rank's sync, so that wait is in it; the iteration (the slowest rank's) already
         # holds it in the measured compute.
-        waiting = wait_ms * 1e3
+        waiting = wait_ms * 1e3 + exit_spread  # the last bucket's exit spread: where the next step's drift starts
         total += waiting
         exposed += waiting
     info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / 1e3,

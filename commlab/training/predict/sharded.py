@@ -83,20 +83,6 @@ class Held:
         return at
 
 
-def in_training(prof, collective: str, algorithm: str, p: int) -> tuple[float, float, bool]:
-    """(how much longer a call takes after compute than the bench's back-to-back one, its
-    exit spread per µs of call, whether a probe gave them) from this host's probe
-    (measure.syncprobe) at its size; (1, 0, False) without one (a hardware profile: one
-    rank per device, none descheduled) or where it timed nothing."""
-    from commlab.training.predict.model import collective_us
-
-    got = prof.in_training.get(collective, {}).get(algorithm)
-    if not got or got["after_us"] <= 0:
-        return 1.0, 0.0, False
-    return got["after_us"] / collective_us(prof, collective, algorithm, p, got["bytes"]), \
-        got["exit_spread_us"] / got["after_us"], True
-
-
 def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us,
           accum: int = 1) -> tuple[float, dict, float, dict]:
     """One FSDP step of `accum` micro-steps (t: one micro-step's op times): (iteration µs,
@@ -108,7 +94,7 @@ def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us,
     n_fwd = sum(1 for o in st.ops if o.phase == "fwd")
     n_bwd = n_fwd + sum(1 for o in st.ops if o.phase == "bwd")
     ready = [max(st.grad_ready.get(i, n_bwd) for i in u.params) for u in blocks]  # a block's gradients complete
-    from commlab.training.predict.model import copy_us, first_touch_us
+    from commlab.training.predict.model import copy_us, first_touch_us, in_training
 
     # FSDP2 copies around each collective: the shard into the all-gather input and the
     # output out to the parameters (u/p + u, each read and written); the gradients into
