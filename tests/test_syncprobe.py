@@ -44,8 +44,8 @@ def test_compare_probes_the_collectives_its_fsdp_modes_call(monkeypatch):
     from commlab.training.compare import cli
 
     seen = []
-    monkeypatch.setattr(syncprobe, "measure", lambda world, c, name, nbytes, reps: seen.append((world, c, name))
-                        or {"x": 1})
+    monkeypatch.setattr(syncprobe, "measure_all", lambda world, calls, reps: [seen.append((world, c, name)) or {"x": 1}
+                                                                              for c, name, _ in calls])
     got = cli.probe_in_training(4, ["ddp", "zero1", "fsdp", "fsdp:shm", "fsdp:noreshard"])
     assert got == {c: {"builtin": {"x": 1}, "shm": {"x": 1}} for c in ("all_gather", "reduce_scatter")}
     assert sorted(seen) == sorted((4, c, n) for c in ("all_gather", "reduce_scatter") for n in ("builtin", "shm"))
@@ -53,7 +53,7 @@ def test_compare_probes_the_collectives_its_fsdp_modes_call(monkeypatch):
     # At the size of the model's largest unit, where FSDP spends its time: a block of the
     # issue's transformer (width 1024: 12.6 M parameters, 48 MiB in fp32).
     sizes = []
-    monkeypatch.setattr(syncprobe, "measure", lambda world, c, name, nbytes, reps: sizes.append(nbytes) or {})
+    monkeypatch.setattr(syncprobe, "measure_all", lambda world, calls, reps: [sizes.append(n) or {} for *_, n in calls])
     cli.probe_in_training(4, ["fsdp"], cli.largest_unit_bytes({"model": "transformer", "width": 1024, "depth": 8}))
     assert set(sizes) == {12_596_224 * 4}
 
@@ -67,8 +67,8 @@ def test_compare_probes_ddps_bucket_all_reduces_in_place(monkeypatch):
     from commlab.training.compare import cli
 
     seen = []
-    monkeypatch.setattr(syncprobe, "measure", lambda world, c, name, nbytes, reps: seen.append((c, name, nbytes, reps))
-                        or {"x": 1})
+    monkeypatch.setattr(syncprobe, "measure_all",
+                        lambda world, calls, reps: [seen.append((c, name, n, reps)) or {"x": 1} for c, name, n in calls])
     monkeypatch.setenv("COMMLAB_PROBE_REPS", "4")
     got = cli.probe_in_training(4, ["ddp:noop", "ddp", "zero1", "ddp:shm", "ddp:nope"], 1 << 20, ddp_bytes=3 << 20)
     assert got == {"all_reduce": {"builtin": {"x": 1}, "shm": {"x": 1}}}
@@ -81,3 +81,18 @@ def test_compare_probes_ddps_bucket_all_reduces_in_place(monkeypatch):
 def test_the_probe_reduces_a_bucket_in_place_on_ranks_of_this_machine():
     got = syncprobe.measure(2, "all_reduce", "shm", 1 << 16, work_ms=2.0, reps=4)
     assert got["bytes"] == 1 << 16 and got["after_us"] > 0 and got["exit_spread_us"] >= 0
+
+
+def test_several_probes_run_on_one_set_of_ranks(monkeypatch):
+    """Starting and joining a set of ranks took most of a short probe (1.7 s each of the
+    docs' example's three): every probe of a sample runs on one set, each still its own."""
+    from commlab.measure import launch
+
+    launches = []
+    real = launch.run_once
+    monkeypatch.setattr(launch, "run_once", lambda *a, **kw: launches.append(a[0]) or real(*a, **kw))
+    got = syncprobe.measure_all(2, [("all_reduce", "shm", 1 << 16), ("all_gather", "builtin", 1 << 12)],
+                                work_ms=2.0, reps=4)
+    assert launches == [2] and [g["bytes"] for g in got] == [1 << 16, 1 << 12]
+    assert all(g["after_us"] > 0 and g["reps"] == 4 for g in got)
+    assert syncprobe.measure_all(2, []) == [] and launches == [2]

@@ -70,31 +70,36 @@ def fsdp_buffers(collective: str, count: int, rank: int, world: int):
     return out, inp
 
 
-def probe_rank(rank: int, world: int, collective: str, algorithm: str, nbytes: int, matmuls: int,
-               reps: int = REPS) -> list[tuple[float, float]]:
-    """One rank: `reps` times the same work, then one call into fresh buffers; (start, end) of each call."""
+def probe_rank(rank: int, world: int, probes: list[tuple[str, str, int]], matmuls: int,
+               reps: int = REPS) -> list[list[tuple[float, float]]]:
+    """One rank, for each (collective, algorithm, nbytes) in turn: `reps` times the same
+    work, then one call; (start, end) of each call, per probe."""
     import torch
     import torch.distributed as dist
 
     from commlab.core.reduction import Op
     from commlab.measure.specs import SPECS
 
-    spec = SPECS[collective]  # the bench's sizes and call: nbytes is the gathered output, the reduced input
-    count = spec.count(nbytes, 4, world)
-    # In place (all-reduce): DDP's bucket, allocated once and reduced every step; else FSDP2's fresh buffers.
-    bucket = torch.ones(count) if spec.output is None else None
     a = torch.randn(256, 256)
-    calls = []
-    dist.barrier()
-    for _ in range(reps):
-        for _ in range(matmuls):
-            a @ a
-        out, inp = (None, bucket) if bucket is not None else fsdp_buffers(collective, count, rank, world)
-        t0 = time.perf_counter()
-        spec.run(algorithm, out, inp, Op.SUM)
-        calls.append((t0, time.perf_counter()))
-        del out, inp  # freed before the next, as FSDP2 frees a unit's buffers
-    return calls
+    out_calls = []
+    for collective, algorithm, nbytes in probes:
+        spec = SPECS[collective]  # the bench's sizes and call: nbytes is the gathered output, the reduced input
+        count = spec.count(nbytes, 4, world)
+        # In place (all-reduce): DDP's bucket, allocated once and reduced every step; else FSDP2's fresh buffers.
+        bucket = torch.ones(count) if spec.output is None else None
+        calls = []
+        dist.barrier()
+        for _ in range(reps):
+            for _ in range(matmuls):
+                a @ a
+            out, inp = (None, bucket) if bucket is not None else fsdp_buffers(collective, count, rank, world)
+            t0 = time.perf_counter()
+            spec.run(algorithm, out, inp, Op.SUM)
+            calls.append((t0, time.perf_counter()))
+            del out, inp  # freed before the next, as FSDP2 frees a unit's buffers
+        out_calls.append(calls)
+        del bucket
+    return out_calls
 
 
 def summarise(calls: list[list[tuple[float, float]]], skip: int = SKIP) -> dict:
@@ -120,13 +125,22 @@ def summarise(calls: list[list[tuple[float, float]]], skip: int = SKIP) -> dict:
 def measure(world: int, collective: str, algorithm: str, nbytes: int, work_ms: float = WORK_MS,
             reps: int = REPS, timeout: float = 300.0) -> dict:
     """The probe at `world` ranks of this machine: summarise's figures, with what was run."""
+    return measure_all(world, [(collective, algorithm, nbytes)], work_ms, reps, timeout)[0]
+
+
+def measure_all(world: int, probes: list[tuple[str, str, int]], work_ms: float = WORK_MS, reps: int = REPS,
+                timeout: float = 300.0) -> list[dict]:
+    """Several probes, one after another on one set of ranks (a set costs a second or more
+    to start and join: most of a short probe): measure()'s figures for each."""
     from commlab.measure import launch
 
+    if not probes:
+        return []
     matmuls = max(1, round(work_ms * _matmuls_per_ms()))
-    outcomes = launch.run_once(world, probe_rank, collective, algorithm, nbytes, matmuls, reps,
-                               backend="gloo", timeout=timeout)
+    outcomes = launch.run_once(world, probe_rank, list(probes), matmuls, reps, backend="gloo", timeout=timeout)
     bad = launch.report_failures(outcomes)
     if bad:
-        raise RuntimeError(f"the {collective} {algorithm} probe failed:\n{bad}")
-    got = summarise([outcomes[r].result for r in range(world)])
-    return {**got, "bytes": nbytes, "work_ms": work_ms, "reps": reps}
+        names = ", ".join(f"{c} {a}" for c, a, _ in probes)
+        raise RuntimeError(f"the probe of {names} failed:\n{bad}")
+    return [{**summarise([outcomes[r].result[i] for r in range(world)]), "bytes": n, "work_ms": work_ms, "reps": reps}
+            for i, (_, _, n) in enumerate(probes)]

@@ -315,10 +315,12 @@ def probe_in_training(world: int, modes: list[str], nbytes: int = 16 << 20, ddp_
              if c in ("all_gather", "reduce_scatter") for name in names]
     if ddp_bytes:
         calls += [("all_reduce", name, ddp_bytes) for name in _ddp_all_reduces(modes)]
+    if calls:
+        print("# predicting this-host: " + ", ".join(f"{c} {name}" for c, name, _ in calls)
+              + " after compute (syncprobe)", file=sys.stderr, flush=True)
     out: dict = {}
-    for collective, name, n in calls:
-        print(f"# predicting this-host: {collective} {name} after compute (syncprobe)", file=sys.stderr, flush=True)
-        out.setdefault(collective, {})[name] = syncprobe.measure(world, collective, name, n, reps=reps)
+    for (collective, name, _), got in zip(calls, syncprobe.measure_all(world, calls, reps=reps)):
+        out.setdefault(collective, {})[name] = got
     return out
 
 
