@@ -68,7 +68,8 @@ def test_compare_probes_ddps_bucket_all_reduces_in_place(monkeypatch):
 
     seen = []
     monkeypatch.setattr(syncprobe, "measure_all",
-                        lambda world, calls, reps: [seen.append((c, name, n, reps)) or {"x": 1} for c, name, n in calls])
+                        lambda world, calls, reps: [seen.append((c, name, n, reps)) or {"x": 1}
+                                                    for c, name, n in calls])
     monkeypatch.setenv("COMMLAB_PROBE_REPS", "4")
     got = cli.probe_in_training(4, ["ddp:noop", "ddp", "zero1", "ddp:shm", "ddp:nope"], 1 << 20, ddp_bytes=3 << 20)
     assert got == {"all_reduce": {"builtin": {"x": 1}, "shm": {"x": 1}}}
