@@ -8,6 +8,8 @@ A block's info string is its language and then tags, which renderers ignore:
     ```python torchrun=2         run under torchrun with 2 ranks
     ```python file=PATH          the file at PATH, word for word
     ```text                      output or prose: not code
+    ```bash by=tests/X.py        run, verbatim, by that test (which checks more than that it
+                                 runs), not a second time by tests/test_docs.py: run_by()
 Tags: needs=<gpu|torchvision|matplotlib|mpich|openmpi|root-netns>, timeout=<seconds>.
 
     python scripts/doc_blocks.py door N      prints the README's N-th door command (1-based)
@@ -58,6 +60,11 @@ def documents() -> list[pathlib.Path]:
 
 def all_blocks() -> list[Block]:
     return [b for p in documents() for b in blocks(p)]
+
+
+def run_by(test: str) -> list[Block]:
+    """The blocks a test runs itself (tag by=<its path, from the repository>)."""
+    return [b for b in all_blocks() if b.tags.get("by") == test]
 
 
 def door(n: int) -> str:

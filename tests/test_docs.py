@@ -47,7 +47,7 @@ def test_every_block_is_a_known_kind():
     assert BLOCKS
     for b in BLOCKS:
         assert b.lang in doc_blocks.LANGUAGES, f"{b.id}: ```{b.lang} is not run by tests/test_docs.py"
-        unknown = set(b.tags) - {"needs", "timeout", "door", "torchrun", "file"}
+        unknown = set(b.tags) - {"needs", "timeout", "door", "torchrun", "file", "by"}
         assert not unknown, f"{b.id}: unknown tags {unknown}"
         assert b.tags.get("needs", "gpu") in NEEDS, f"{b.id}: needs={b.tags['needs']}?"
         assert not b.tags.get("door") or b.path == "README.md", f"{b.id}: door commands live in the README"
@@ -106,7 +106,20 @@ def _scratch(tmp_path: pathlib.Path) -> pathlib.Path:
     return tmp_path
 
 
-RUN = [b for b in BLOCKS if b.lang in ("bash", "python") and not b.tags.get("door")]
+RUN = [b for b in BLOCKS if b.lang in ("bash", "python") and not b.tags.get("door") and not b.tags.get("by")]
+
+
+def test_an_example_run_by_a_test_is_run_there():
+    """A block tagged by=<test file> is run verbatim by that test, which checks what the
+    page says of it (the resilient training's recovery: 19 s, once instead of twice); the
+    file exists and takes its blocks from doc_blocks.run_by."""
+    by = [b for b in BLOCKS if b.tags.get("by")]
+    assert by, "no block is run by a test of its own (faults.md's resilient training was)"
+    for b in by:
+        test = ROOT / b.tags["by"]
+        assert test.is_file() and test.parent.name == "tests", f"{b.id}: by={b.tags['by']} is no test file"
+        assert f'doc_blocks.run_by("{b.tags["by"]}")' in test.read_text(), f"{b.id}: {test} does not run it"
+        assert b.lang == "bash", b.id
 
 
 @pytest.mark.slow

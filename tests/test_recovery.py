@@ -2,9 +2,12 @@
 step 12 makes its peers raise within seconds (commlab's abort channel, not the group's
 timeout), the elastic agent restarts the group, training resumes from the checkpoint of
 step 10, nothing is left in /dev/shm, and the final parameters equal an uninterrupted
-run's bitwise (examples/resilient_training.py)."""
+run's bitwise (examples/resilient_training.py; the interrupted run is docs/faults.md's
+example, verbatim, which tests/test_docs.py then leaves to this test)."""
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -14,12 +17,14 @@ from ranks import clean_launch_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "resilient_training.py")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import doc_blocks  # noqa: E402
 
 
-def _torchrun(out, *extra, restarts=0):
+def _torchrun(out, *extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
            # The agent looks every 3 s: survivors must leave by commlab's error, not its SIGTERM.
-           f"--max-restarts={restarts}", "--monitor-interval=3", EXAMPLE, "--steps", "20",
+           "--max-restarts=0", "--monitor-interval=3", EXAMPLE, "--steps", "20",
            "--checkpoint-every", "5", "--out", str(out), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_launch_env(OMP_NUM_THREADS="1"))
 
@@ -32,27 +37,36 @@ def _agent_came_first(out) -> bool:
     return any(e["event"] == "terminated" for e in first) and not any(e["event"] == "error" for e in first)
 
 
+def _documented():
+    """docs/faults.md's example, verbatim (a rank killed at step 12 under --max-restarts=1,
+    then the report): (its process, the folder it trains in)."""
+    [block] = doc_blocks.run_by("tests/test_recovery.py")
+    out = pathlib.Path(re.search(r"--out (\S+)", block.code).group(1))
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=clean_launch_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"))
+    return proc, out
+
+
 @pytest.mark.slow
 def test_a_killed_rank_is_survived_and_the_result_is_unchanged(tmp_path):
     whole = _torchrun(tmp_path / "whole")
     assert whole.returncode == 0, whole.stderr[-3000:]
-    hurt = _torchrun(tmp_path / "hurt", "--kill-rank", "1", "--kill-at", "12", restarts=1)
-    assert hurt.returncode == 0, hurt.stderr[-3000:]
-    if _agent_came_first(tmp_path / "hurt"):
+    hurt, out = _documented()
+    assert hurt.returncode == 0, hurt.stdout[-2000:] + hurt.stderr[-3000:]
+    if _agent_came_first(out):
         # The agent's look (every 3 s) fell within the ~0.1 s the survivors take to raise, and
         # its SIGTERM stopped them first: what this test checks did not get to happen. Once more.
-        hurt = _torchrun(tmp_path / "hurt2", "--kill-rank", "1", "--kill-at", "12", restarts=1)
-        assert hurt.returncode == 0, hurt.stderr[-3000:]
-        os.rename(tmp_path / "hurt", tmp_path / "hurt-raced")
-        os.rename(tmp_path / "hurt2", tmp_path / "hurt")
+        hurt, out = _documented()
+        assert hurt.returncode == 0, hurt.stdout[-2000:] + hurt.stderr[-3000:]
+    assert "rank 1 killed at step 12" in hurt.stdout and "resumed (step" in hurt.stdout, hurt.stdout
 
     a = torch.load(tmp_path / "whole" / "final.pt", weights_only=True)
-    b = torch.load(tmp_path / "hurt" / "final.pt", weights_only=True)
+    b = torch.load(out / "final.pt", weights_only=True)
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
 
-    events = [json.loads(line) for line in open(tmp_path / "hurt" / "events.jsonl")]
+    events = [json.loads(line) for line in open(out / "events.jsonl")]
     kill = next(e for e in events if e["event"] == "kill")
     assert (kill["rank"], kill["step"], kill["incarnation"]) == (1, 12, 0)
     errors = {e["rank"]: e for e in events if e["event"] == "error" and e["incarnation"] == 0}
