@@ -471,6 +471,42 @@ def test_this_host_prices_what_is_left_of_ddps_buckets_after_backward_as_the_pro
     assert after[1]["grad_sync_ms"] == pytest.approx(before[1]["grad_sync_ms"], rel=1e-9)
 
 
+def test_this_host_prices_zero1s_broadcasts_as_its_probe_timed_them_together():
+    """ZeRO-1 broadcasts every parameter from its owner after the step, asynchronously
+    (gloo runs them on two threads) and waits for them together: priced one call after
+    another from the bench, they came out 22-76 % over what three runs measured
+    (2026-12-05/06). On this host the probe of that phase, with the model's parameters,
+    scales them; its exit spread joins the wait; a hardware profile is unchanged."""
+    from commlab.measure.syncprobe import ZERO1
+    from commlab.training.predict import sharded as S
+
+    p, a, b = 4, 30.0, 2e-3
+    benches = [_affine_bench(c, ("builtin",), p, a, b) for c in ("all_reduce", "broadcast")]
+    kw = dict(compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0,
+              unit_waits_ms={"step_start": 4.0})
+    s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
+    steps = M.Steps(s)
+    base = M.this_host(benches, **kw)
+    params = steps.at(steps.b).params
+    priced = sum(M.collective_us(base, "broadcast", "builtin", p, n) for n in params)
+    probe = {ZERO1: {"builtin": {"after_us": 0.6 * priced, "exit_spread_us": 0.1 * priced, "bytes": sum(params),
+                                 "sizes": list(params)}}}
+    before = M.predict(["zero1"], s, base, steps)[0]
+    after = M.predict(["zero1"], s, M.this_host(benches, **kw, in_training=probe), steps)[0]
+    assert before["breakdown"]["broadcast_ms"] == pytest.approx(priced / 1e3)
+    assert after["breakdown"]["broadcast_ms"] == pytest.approx(0.6 * priced / 1e3)
+    assert S.zero1_broadcasts_us(M.this_host(benches, **kw, in_training=probe), p, params) == pytest.approx(
+        (0.6 * priced, 0.1 * priced))
+    gap = lambda r: r["grad_sync_ms"]["exposed"] - r["grad_sync_ms"]["after_arrival"]  # noqa: E731
+    assert gap(before) == pytest.approx(4.0) and gap(after) == pytest.approx(4.0 + 0.1 * priced / 1e3)
+    assert after["iter_ms"]["median"] == pytest.approx(before["iter_ms"]["median"] - 0.4 * priced / 1e3)
+    # Probed with other parameters (another model): the same ratio to the bench's price.
+    half = {ZERO1: {"builtin": dict(probe[ZERO1]["builtin"], sizes=params[: len(params) // 2])}}
+    half_priced = sum(M.collective_us(base, "broadcast", "builtin", p, n) for n in params[: len(params) // 2])
+    got, _ = S.zero1_broadcasts_us(M.this_host(benches, **kw, in_training=half), p, params)
+    assert got == pytest.approx(priced * 0.6 * priced / half_priced)
+
+
 def test_this_host_prices_a_call_from_the_bench_times_around_its_size():
     """Between two sizes the bench timed, a call costs what the bench measured there,
     interpolated; the α-β fit only past them. gloo's all-gather grows faster than linearly

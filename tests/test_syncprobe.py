@@ -97,3 +97,44 @@ def test_several_probes_run_on_one_set_of_ranks(monkeypatch):
     assert launches == [2] and [g["bytes"] for g in got] == [1 << 16, 1 << 12]
     assert all(g["after_us"] > 0 and g["reps"] == 4 for g in got)
     assert syncprobe.measure_all(2, []) == [] and launches == [2]
+
+
+def _zero_partition(rank, world, sizes):
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    params = [torch.nn.Parameter(torch.zeros(n // 4)) for n in sizes]
+    opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.SGD, lr=0.1)
+    ids = {id(p): i for i, p in enumerate(params)}
+    return [[ids[id(p)] for g in per_rank for p in g["params"]] for per_rank in opt._partition_parameters()]
+
+
+def test_zero1s_owners_are_torchs():
+    """The probe broadcasts each parameter from the rank torch's ZeroRedundancyOptimizer
+    gives it, in its order (largest first, each to the rank holding the fewest bytes)."""
+    from commlab.measure import launch
+
+    sizes = [4096, 64, 8192, 4096, 256, 8192, 128, 4]  # ties in size and in bytes held
+    outcomes = launch.run_once(2, _zero_partition, sizes, backend="gloo", timeout=60)
+    assert not launch.report_failures(outcomes)
+    assert outcomes[0].result == syncprobe.zero1_owners(sizes, 2) == [[2, 0, 4], [5, 3, 6, 1, 7]]
+
+
+def test_the_probe_times_zero1s_broadcasts_issued_together():
+    got = syncprobe.measure_all(2, [(syncprobe.ZERO1, "builtin", [1 << 16, 4096, 64])], work_ms=2.0, reps=4)[0]
+    assert got["bytes"] == (1 << 16) + 4096 + 64 and got["sizes"] == [1 << 16, 4096, 64]
+    assert got["after_us"] > 0 and got["exit_spread_us"] >= 0
+
+
+def test_compare_probes_zero1s_broadcasts_with_the_models_parameters(monkeypatch):
+    from commlab.training.compare import cli
+
+    seen = []
+    monkeypatch.setattr(syncprobe, "measure_all", lambda world, calls, reps: [seen.append(c) or {"x": 1}
+                                                                              for c in calls])
+    args = {"model": "mlp", "width": 16, "depth": 2, "bucket_cap_mb": 25}
+    got = cli.probe_in_training(4, ["ddp", "zero1"], 1 << 20, cli.ddp_bucket_bytes(args), cli.param_bytes(args))
+    assert (syncprobe.ZERO1, "builtin", cli.param_bytes(args)) in seen and got[syncprobe.ZERO1] == {"builtin": {"x": 1}}
+    seen.clear()
+    cli.probe_in_training(4, ["ddp"], 1 << 20, cli.ddp_bucket_bytes(args), cli.param_bytes(args))
+    assert [c for c, *_ in seen] == ["all_reduce"]  # no zero1 compared: no broadcasts probed

@@ -70,35 +70,68 @@ def fsdp_buffers(collective: str, count: int, rank: int, world: int):
     return out, inp
 
 
-def probe_rank(rank: int, world: int, probes: list[tuple[str, str, int]], matmuls: int,
-               reps: int = REPS) -> list[list[tuple[float, float]]]:
-    """One rank, for each (collective, algorithm, nbytes) in turn: `reps` times the same
-    work, then one call; (start, end) of each call, per probe."""
+ZERO1 = "zero1_broadcasts"  # ZeRO-1's step end: every parameter broadcast from its owner, waited for together
+
+
+def zero1_owners(sizes: list[int], world: int) -> list[list[int]]:
+    """Which parameters (indices into sizes) each rank owns, in the order it broadcasts
+    them, as torch's ZeroRedundancyOptimizer partitions them: largest first, each to the
+    rank holding the fewest so far (its _partition_parameters)."""
+    owned, held = [[] for _ in range(world)], [0] * world
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        r = held.index(min(held))
+        owned[r].append(i)
+        held[r] += sizes[i]
+    return owned
+
+
+def _caller(rank: int, world: int, collective: str, algorithm: str, size):
+    """What one rep calls after its work: a collective as FSDP2 or DDP calls it (size: its
+    bytes), or ZeRO-1's broadcasts (size: every parameter's bytes; torch's broadcasts,
+    issued asynchronously rank by rank and waited for together, as its _sync_params)."""
     import torch
     import torch.distributed as dist
 
     from commlab.core.reduction import Op
     from commlab.measure.specs import SPECS
 
+    if collective == ZERO1:
+        params = [torch.ones(max(1, n // 4)) for n in size]  # the parameters persist from step to step
+        order = [(src, params[i]) for src, idx in enumerate(zero1_owners(size, world)) for i in idx]
+        return lambda: [h.wait() for h in [dist.broadcast(t, src=src, async_op=True) for src, t in order]]
+    spec = SPECS[collective]  # the bench's sizes and call: nbytes is the gathered output, the reduced input
+    count = spec.count(size, 4, world)
+    if spec.output is None:  # in place (all-reduce): DDP's bucket, allocated once and reduced every step
+        bucket = torch.ones(count)
+        return lambda: spec.run(algorithm, None, bucket, Op.SUM)
+
+    def fresh():  # FSDP2's buffers, allocated for the call and freed after it
+        out, inp = fsdp_buffers(collective, count, rank, world)
+        spec.run(algorithm, out, inp, Op.SUM)
+    return fresh
+
+
+def probe_rank(rank: int, world: int, probes: list[tuple[str, str, object]], matmuls: int,
+               reps: int = REPS) -> list[list[tuple[float, float]]]:
+    """One rank, for each (collective, algorithm, size) in turn: `reps` times the same
+    work, then one call (_caller); (start, end) of each call, per probe."""
+    import torch
+    import torch.distributed as dist
+
     a = torch.randn(256, 256)
     out_calls = []
-    for collective, algorithm, nbytes in probes:
-        spec = SPECS[collective]  # the bench's sizes and call: nbytes is the gathered output, the reduced input
-        count = spec.count(nbytes, 4, world)
-        # In place (all-reduce): DDP's bucket, allocated once and reduced every step; else FSDP2's fresh buffers.
-        bucket = torch.ones(count) if spec.output is None else None
+    for collective, algorithm, size in probes:
+        call = _caller(rank, world, collective, algorithm, size)
         calls = []
         dist.barrier()
         for _ in range(reps):
             for _ in range(matmuls):
                 a @ a
-            out, inp = (None, bucket) if bucket is not None else fsdp_buffers(collective, count, rank, world)
             t0 = time.perf_counter()
-            spec.run(algorithm, out, inp, Op.SUM)
+            call()
             calls.append((t0, time.perf_counter()))
-            del out, inp  # freed before the next, as FSDP2 frees a unit's buffers
         out_calls.append(calls)
-        del bucket
+        del call
     return out_calls
 
 
@@ -128,7 +161,7 @@ def measure(world: int, collective: str, algorithm: str, nbytes: int, work_ms: f
     return measure_all(world, [(collective, algorithm, nbytes)], work_ms, reps, timeout)[0]
 
 
-def measure_all(world: int, probes: list[tuple[str, str, int]], work_ms: float = WORK_MS, reps: int = REPS,
+def measure_all(world: int, probes: list[tuple[str, str, object]], work_ms: float = WORK_MS, reps: int = REPS,
                 timeout: float = 300.0) -> list[dict]:
     """Several probes, one after another on one set of ranks (a set costs a second or more
     to start and join: most of a short probe): measure()'s figures for each."""
@@ -142,5 +175,6 @@ def measure_all(world: int, probes: list[tuple[str, str, int]], work_ms: float =
     if bad:
         names = ", ".join(f"{c} {a}" for c, a, _ in probes)
         raise RuntimeError(f"the probe of {names} failed:\n{bad}")
-    return [{**summarise([outcomes[r].result[i] for r in range(world)]), "bytes": n, "work_ms": work_ms, "reps": reps}
-            for i, (_, _, n) in enumerate(probes)]
+    return [{**summarise([outcomes[r].result[i] for r in range(world)]), "work_ms": work_ms, "reps": reps,
+             **({"bytes": sum(n), "sizes": list(n)} if c == ZERO1 else {"bytes": n})}
+            for i, (c, _, n) in enumerate(probes)]

@@ -225,7 +225,8 @@ def host_sample(world: int, modes: list[str], args: dict) -> dict:
     170 ms where one an hour earlier read 125) and carried it into every mode."""
     wanted = _predicted_modes(modes)
     return {"benches": [host_bench(world, c, names) for c, names in host_collectives(wanted).items()],
-            "in_training": probe_in_training(world, wanted, largest_unit_bytes(args), ddp_bucket_bytes(args))}
+            "in_training": probe_in_training(world, wanted, largest_unit_bytes(args), ddp_bucket_bytes(args),
+                                             param_bytes(args))}
 
 
 def pooled_samples(samples: list[dict]) -> tuple[list[dict], dict]:
@@ -283,6 +284,13 @@ def largest_unit_bytes(args: dict) -> int:
     return max(sizes, default=16 << 20)
 
 
+def param_bytes(args: dict) -> list[int]:
+    """Every parameter's bytes, in the model's order (what ZeRO-1 broadcasts after its step)."""
+    with torch.device("meta"):
+        model = workloads.build(args["model"], **workloads.options(args)).model
+    return [p.numel() * p.element_size() for p in model.parameters()]
+
+
 def ddp_bucket_bytes(args: dict) -> int:
     """A full DDP bucket of this model: --bucket-cap-mb (MiB, as DDP reads it), or every
     gradient where they fit in fewer bytes."""
@@ -300,13 +308,16 @@ def _ddp_all_reduces(modes: list[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def probe_in_training(world: int, modes: list[str], nbytes: int = 16 << 20, ddp_bytes: int | None = None) -> dict:
+def probe_in_training(world: int, modes: list[str], nbytes: int = 16 << 20, ddp_bytes: int | None = None,
+                      params: list[int] | None = None) -> dict:
     """What this-host's modes need beyond the bench, each call made after compute as
     training makes it (measure.syncprobe): FSDP's all-gathers and reduce-scatters into
     fresh buffers at nbytes (compare: the model's largest unit, whose calls are most of
     FSDP's time and whose fresh output's page faults depend on its size); with ddp_bytes,
     DDP's bucket all-reduces in place at that size (what is left of them after backward
-    is what the table's "after the last rank arrived" reads). $COMMLAB_PROBE_REPS: calls
+    is what the table's "after the last rank arrived" reads); with params (every
+    parameter's bytes) and zero1 compared, ZeRO-1's broadcasts of them all, issued and
+    waited for together as torch's ZeroRedundancyOptimizer does. $COMMLAB_PROBE_REPS: calls
     per probe (default 12; the docs' examples, run to show they work, take fewer)."""
     from commlab.measure import syncprobe
 
@@ -315,6 +326,10 @@ def probe_in_training(world: int, modes: list[str], nbytes: int = 16 << 20, ddp_
              if c in ("all_gather", "reduce_scatter") for name in names]
     if ddp_bytes:
         calls += [("all_reduce", name, ddp_bytes) for name in _ddp_all_reduces(modes)]
+    if params and "zero1" in modes:
+        from commlab.training.predict.sharded import BROADCAST
+
+        calls.append((syncprobe.ZERO1, BROADCAST["cpu"], list(params)))
     if calls:
         print("# predicting this-host: " + ", ".join(f"{c} {name}" for c, name, _ in calls)
               + " after compute (syncprobe)", file=sys.stderr, flush=True)

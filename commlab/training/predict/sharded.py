@@ -223,6 +223,26 @@ def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us,
                                           "exit_spread_us": exits[0]}
 
 
+def zero1_broadcasts_us(prof, p: int, params: list[float]) -> tuple[float, float]:
+    """(ZeRO-1's broadcasts of every parameter from its owner after the step, µs; how far
+    apart the ranks leave them, µs): each call at the broadcast's cost, one after another;
+    on this host, scaled to what its probe (measure.syncprobe's ZeRO-1 phase: torch's
+    broadcasts issued asynchronously, which gloo runs on its worker threads, two by
+    default, and waited for together) timed after compute against that cost for the
+    parameters it broadcast."""
+    from commlab.measure.syncprobe import ZERO1
+    from commlab.training.predict.model import collective_us
+
+    alg = BROADCAST[prof.device]
+    us = sum(collective_us(prof, "broadcast", alg, p, n) for n in params)
+    got = prof.in_training.get(ZERO1, {}).get(alg)
+    if not got or got["after_us"] <= 0 or not got.get("sizes"):
+        return us, 0.0
+    priced = sum(collective_us(prof, "broadcast", alg, p, n) for n in got["sizes"])
+    us *= got["after_us"] / priced
+    return us, us * got["exit_spread_us"] / got["after_us"]
+
+
 def predict(mode: str, s, prof, steps) -> dict:
     from commlab.training.predict import model as M
 
@@ -241,14 +261,15 @@ def predict(mode: str, s, prof, steps) -> dict:
         ddp = M.predict_ddp("ddp", s, prof, steps)
         ddp_it, ddp_total, ddp_exposed = (ddp["iter_ms"]["median"] * 1e3, ddp["grad_sync_ms"]["total"] * 1e3,
                                           ddp["grad_sync_ms"]["exposed"] * 1e3)
-        # Every parameter broadcast from its owner after the step: one call each, blocking.
-        bcast = sum(M.collective_us(prof, "broadcast", BROADCAST[prof.device], p, n) for n in st.params)
+        # Every parameter broadcast from its owner after the step: one call each, blocking;
+        # on this host as its probe of them all, issued and waited for together, timed them.
+        bcast, spread = zero1_broadcasts_us(prof, p, st.params)
         it = ddp_it - opt + opt / p + bcast
         # DDP's wait is the drift from one end of backward to the next, its optimizer step
         # between; ZeRO-1's broadcasts line the ranks up after the optimizer: from the step's start.
         ddp_waiting = ddp["grad_sync_ms"]["exposed"] * 1e3 - ddp["grad_sync_ms"]["after_arrival"] * 1e3
         wait_ms, wait_se = M.wait_charged(prof, "step_start")
-        waiting = wait_ms * 1e3 if ddp_waiting else 0.0  # no buckets, no wait (as DDP's)
+        waiting = wait_ms * 1e3 + spread if ddp_waiting else 0.0  # no buckets, no wait (as DDP's)
         total, exposed = ddp_total - ddp_waiting + waiting + bcast, ddp_exposed - ddp_waiting + waiting + bcast
         held = {"parameters": st.param_bytes, "gathered": 0.0, "gradients": st.param_bytes,
                 "optimizer_state": state / p, "buckets": st.param_bytes}
