@@ -473,7 +473,7 @@ def test_this_host_prices_what_is_left_of_ddps_buckets_after_backward_as_the_pro
 
 def test_this_host_prices_zero1s_broadcasts_as_its_probe_timed_them_together():
     """ZeRO-1 broadcasts every parameter from its owner after the step, asynchronously
-    (gloo runs them on two threads) and waits for them together: priced one call after
+    (gloo's two worker threads take them in turn) and waits for them together: priced one call after
     another from the bench, they came out 22-76 % over what three runs measured
     (2026-12-05/06). On this host the probe of that phase, with the model's parameters,
     scales them; its exit spread joins the wait; a hardware profile is unchanged."""

@@ -25,6 +25,11 @@ this probe at 48 MiB, fresh buffers / the same reused: gloo's all-gather 112 / 1
 its reduce-scatter 125 / 128 / 133, shm's 45 / 46 / 15 and 28 / 34 / 15 — the pages a
 fresh 48 MiB output faults in are most of shm's call, so compare probes at the model's
 largest unit with fresh buffers.
+
+The same for DDP's buckets (an all-reduce in place at a full bucket: what is left of
+them after backward) and for ZeRO-1's step end (every parameter broadcast from its
+owner, issued asynchronously and waited for together, as torch's ZeroRedundancyOptimizer
+does: priced one call after another from the bench, three runs measured 22-76 % less).
 """
 from __future__ import annotations
 

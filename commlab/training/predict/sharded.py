@@ -227,8 +227,8 @@ def zero1_broadcasts_us(prof, p: int, params: list[float]) -> tuple[float, float
     """(ZeRO-1's broadcasts of every parameter from its owner after the step, µs; how far
     apart the ranks leave them, µs): each call at the broadcast's cost, one after another;
     on this host, scaled to what its probe (measure.syncprobe's ZeRO-1 phase: torch's
-    broadcasts issued asynchronously, which gloo runs on its worker threads, two by
-    default, and waited for together) timed after compute against that cost for the
+    broadcasts issued asynchronously, gloo's worker threads (two by default) taking them
+    in turn, and waited for together) timed after compute against that cost for the
     parameters it broadcast."""
     from commlab.measure.syncprobe import ZERO1
     from commlab.training.predict.model import collective_us
