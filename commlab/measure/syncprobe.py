@@ -91,9 +91,11 @@ def zero1_owners(sizes: list[int], world: int) -> list[list[int]]:
 
 
 def _caller(rank: int, world: int, collective: str, algorithm: str, size):
-    """What one rep calls after its work: a collective as FSDP2 or DDP calls it (size: its
-    bytes), or ZeRO-1's broadcasts (size: every parameter's bytes; torch's broadcasts,
-    issued asynchronously rank by rank and waited for together, as its _sync_params)."""
+    """What one rep calls after its work, as a function that makes the call's buffers and
+    returns the call to time (making them is the step's work, not the collective's): a
+    collective as FSDP2 or DDP calls it (size: its bytes), or ZeRO-1's broadcasts (size:
+    every parameter's bytes; torch's broadcasts, issued asynchronously rank by rank and
+    waited for together, as its _sync_params)."""
     import torch
     import torch.distributed as dist
 
@@ -103,40 +105,43 @@ def _caller(rank: int, world: int, collective: str, algorithm: str, size):
     if collective == ZERO1:
         params = [torch.ones(max(1, n // 4)) for n in size]  # the parameters persist from step to step
         order = [(src, params[i]) for src, idx in enumerate(zero1_owners(size, world)) for i in idx]
-        return lambda: [h.wait() for h in [dist.broadcast(t, src=src, async_op=True) for src, t in order]]
+        return lambda: lambda: [h.wait() for h in [dist.broadcast(t, src=src, async_op=True) for src, t in order]]
     spec = SPECS[collective]  # the bench's sizes and call: nbytes is the gathered output, the reduced input
     count = spec.count(size, 4, world)
     if spec.output is None:  # in place (all-reduce): DDP's bucket, allocated once and reduced every step
         bucket = torch.ones(count)
-        return lambda: spec.run(algorithm, None, bucket, Op.SUM)
+        return lambda: lambda: spec.run(algorithm, None, bucket, Op.SUM)
 
-    def fresh():  # FSDP2's buffers, allocated for the call and freed after it
+    def fresh():  # FSDP2's buffers, allocated for each call (its input written before it) and freed after
         out, inp = fsdp_buffers(collective, count, rank, world)
-        spec.run(algorithm, out, inp, Op.SUM)
+        return lambda: spec.run(algorithm, out, inp, Op.SUM)
     return fresh
 
 
 def probe_rank(rank: int, world: int, probes: list[tuple[str, str, object]], matmuls: int,
                reps: int = REPS) -> list[list[tuple[float, float]]]:
     """One rank, for each (collective, algorithm, size) in turn: `reps` times the same
-    work, then one call (_caller); (start, end) of each call, per probe."""
+    work, then one call (_caller), timed from its start to its end; (start, end) of each
+    call, per probe."""
     import torch
     import torch.distributed as dist
 
     a = torch.randn(256, 256)
     out_calls = []
     for collective, algorithm, size in probes:
-        call = _caller(rank, world, collective, algorithm, size)
+        prepare = _caller(rank, world, collective, algorithm, size)
         calls = []
         dist.barrier()
         for _ in range(reps):
             for _ in range(matmuls):
                 a @ a
+            call = prepare()
             t0 = time.perf_counter()
             call()
             calls.append((t0, time.perf_counter()))
+            del call  # FSDP2's buffers freed before the next
         out_calls.append(calls)
-        del call
+        del prepare
     return out_calls
 
 
