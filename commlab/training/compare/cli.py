@@ -276,28 +276,27 @@ def host_collectives(modes: list[str]) -> dict[str, list[str]]:
     return {c: list(dict.fromkeys(names)) for c, names in need.items()}
 
 
+def _meta_model(args: dict) -> torch.nn.Module:
+    """The compared model on meta tensors: its parameters' shapes, no memory."""
+    with torch.device("meta"):
+        return workloads.build(args["model"], **workloads.options(args)).model
+
+
 def largest_unit_bytes(args: dict) -> int:
     """The parameter bytes of the model's largest FSDP unit (a block: workloads.blocks)."""
-    with torch.device("meta"):
-        model = workloads.build(args["model"], **workloads.options(args)).model
-    sizes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in workloads.blocks(model)]
+    sizes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in workloads.blocks(_meta_model(args))]
     return max(sizes, default=16 << 20)
 
 
 def param_bytes(args: dict) -> list[int]:
     """Every parameter's bytes, in the model's order (what ZeRO-1 broadcasts after its step)."""
-    with torch.device("meta"):
-        model = workloads.build(args["model"], **workloads.options(args)).model
-    return [p.numel() * p.element_size() for p in model.parameters()]
+    return [p.numel() * p.element_size() for p in _meta_model(args).parameters()]
 
 
 def ddp_bucket_bytes(args: dict) -> int:
     """A full DDP bucket of this model: --bucket-cap-mb (MiB, as DDP reads it), or every
     gradient where they fit in fewer bytes."""
-    with torch.device("meta"):
-        model = workloads.build(args["model"], **workloads.options(args)).model
-    return max(1, min(int(args["bucket_cap_mb"] * 2**20), sum(p.numel() * p.element_size()
-                                                               for p in model.parameters())))
+    return max(1, min(int(args["bucket_cap_mb"] * 2**20), sum(param_bytes(args))))
 
 
 def _ddp_all_reduces(modes: list[str]) -> list[str]:
