@@ -219,7 +219,8 @@ def compute_step(measured: list[dict]) -> dict | None:
 
 def host_sample(world: int, modes: list[str], args: dict) -> dict:
     """What this-host is fitted to besides the compute-only step, measured once: a bench
-    of each collective the modes call, and the probe of FSDP's calls after compute. Taken
+    of each collective the modes call, and the probes of their calls made after compute
+    (probe_in_training: FSDP's, DDP's buckets, ZeRO-1's broadcasts). Taken
     first and last in a comparison and pooled, as the compute-only step is: one sample
     read the machine's phase at one moment (a probe at 19:59 put gloo's reduce-scatter at
     170 ms where one an hour earlier read 125) and carried it into every mode."""
