@@ -674,7 +674,7 @@ def test_this_host_pools_the_bench_and_probe_taken_first_and_last():
     assert {(r["algorithm"], r["bytes"]): r["time_us"] for r in benches[0]["results"]}[("ring", 8)] == 9.0
 
 
-def test_compare_samples_the_host_after_the_first_compute_only_step_and_after_the_last(monkeypatch, capsys):
+def test_compare_samples_the_host_after_the_first_compute_only_step_and_after_the_last(monkeypatch):
     from commlab.training.compare import cli
 
     events = []

@@ -198,17 +198,18 @@ def collective_us(prof: Profile, collective: str, algorithm: str, p: int, nbytes
     return link["call_latency_us"] + c.time(link["step_latency_us"], 1 / (link["gbps"] * 1e3), gamma)
 
 
-def in_training(prof, collective: str, algorithm: str, p: int) -> tuple[float, float, bool]:
+def in_training(prof, probe: str, algorithm: str, p: int, collective: str | None = None) -> tuple[float, float, bool]:
     """(how much longer a call takes after compute than the bench's back-to-back one, its
     exit spread per µs of call, whether a probe gave them) from this host's probe
     (measure.syncprobe) at its size; (1, 0, False) without one (a hardware profile: one
     rank per device, none descheduled) or where it timed nothing. FSDP's calls and DDP's
-    buckets both."""
-    got = prof.in_training.get(collective, {}).get(algorithm)
+    buckets both; ZeRO-1's broadcasts (probe syncprobe.ZERO1, collective "broadcast"): a
+    call per size it lists, priced one after another."""
+    got = prof.in_training.get(probe, {}).get(algorithm)
     if not got or got["after_us"] <= 0:
         return 1.0, 0.0, False
-    return got["after_us"] / collective_us(prof, collective, algorithm, p, got["bytes"]), \
-        got["exit_spread_us"] / got["after_us"], True
+    priced = sum(collective_us(prof, collective or probe, algorithm, p, n) for n in got.get("sizes") or [got["bytes"]])
+    return got["after_us"] / priced, got["exit_spread_us"] / got["after_us"], True
 
 
 def _stretched(rate: float | list, by: float) -> float | list:

@@ -231,16 +231,12 @@ def zero1_broadcasts_us(prof, p: int, params: list[float]) -> tuple[float, float
     in turn, and waited for together) timed after compute against that cost for the
     parameters it broadcast."""
     from commlab.measure.syncprobe import ZERO1
-    from commlab.training.predict.model import collective_us
+    from commlab.training.predict.model import collective_us, in_training
 
     alg = BROADCAST[prof.device]
-    us = sum(collective_us(prof, "broadcast", alg, p, n) for n in params)
-    got = prof.in_training.get(ZERO1, {}).get(alg)
-    if not got or got["after_us"] <= 0 or not got.get("sizes"):
-        return us, 0.0
-    priced = sum(collective_us(prof, "broadcast", alg, p, n) for n in got["sizes"])
-    us *= got["after_us"] / priced
-    return us, us * got["exit_spread_us"] / got["after_us"]
+    factor, spread, _ = in_training(prof, ZERO1, alg, p, "broadcast")
+    us = factor * sum(collective_us(prof, "broadcast", alg, p, n) for n in params)
+    return us, us * spread
 
 
 def predict(mode: str, s, prof, steps) -> dict:
