@@ -579,11 +579,46 @@ def test_trace_of_the_sharded_modes_agrees_with_the_table(tmp_path):
                 got = {kind: sum(e["args"]["kind"] == kind for e in comm) for kind in kinds}
                 assert got == kinds, (mode, rank, k, got)
                 assert all(e["args"]["bytes"] > 0 for e in comm)
+                if mode.startswith("fsdp"):
+                    assert all(isinstance(e["args"]["page_faults"], int) for e in comm)
         table, back = rows[mode]["grad_sync_ms"], rows[mode]["trace"]["sync_ms"]
         assert back["total"] == pytest.approx(table["total"], abs=0.01), mode
         assert back["exposed"] == pytest.approx(table["exposed"], abs=0.01), mode
         assert back["after_arrival"] == pytest.approx(table["after_arrival"], abs=0.01), mode
         assert 0 < table["after_arrival"] <= table["exposed"], mode
+
+
+def _fsdp_gathers_into_a_fresh_mapping(rank, world):
+    import mmap
+
+    import torch
+    import torch.distributed as dist
+
+    from commlab.training import fsdp
+
+    n = 1 << 20  # floats per rank
+    stats, mapping = fsdp.CommStats(), mmap.mmap(-1, n * world * 4)  # pages no one has touched yet
+    out = torch.frombuffer(mapping, dtype=torch.float32)
+    inp = torch.full((n,), float(rank))
+    for _ in range(2):
+        fsdp.Gather(None, stats)(out, inp, group=dist.group.WORLD)
+    stats.step()
+    calls = stats.iterations()[0]["calls"]
+    got = out[::n].tolist()
+    del out
+    mapping.close()
+    return [c["page_faults"] for c in calls], got
+
+
+def test_fsdp_calls_count_the_page_faults_taken_in_them(ranks):
+    """Each FSDP call books the minor page faults the rank took during it (compare --trace
+    shows them): the first write of an output's fresh pages is inside the call, and on a
+    host FSDP's outputs above glibc's mmap threshold fault in afresh or not at all
+    (docs/measurements.md, "The probe in fresh ranks and in ranks that trained")."""
+    for faults, got in ranks.run(2, _fsdp_gathers_into_a_fresh_mapping):
+        assert got == [0.0, 1.0]
+        first, second = faults
+        assert first >= 1 and second < first, faults  # the output's 8 MiB faulted in by the first call only
 
 
 def _trace_processor() -> str | None:

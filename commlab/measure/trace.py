@@ -143,7 +143,8 @@ def chrome_trace(records: list[dict], mode: str) -> dict:
                 exposed(k, key, a, b, rank, what)
             for j, c in enumerate(it.get("calls", [])):
                 span(c["kind"], "communication", c["start"], c["end"], rank, "communication",
-                     {"kind": c["kind"], "bytes": c["bytes"], "algorithm": rec["algorithm"], "iteration": k})
+                     {"kind": c["kind"], "bytes": c["bytes"], "algorithm": rec["algorithm"], "iteration": k,
+                      **{key: c[key] for key in ("page_faults",) if key in c}})
                 peer_wait(k, ("call", j), c, rank, c["kind"])
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"mode": mode, "clock": "time.perf_counter (CLOCK_MONOTONIC), one host: no offsets",

@@ -20,6 +20,7 @@ is not).
 """
 from __future__ import annotations
 
+import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,8 +37,9 @@ from commlab.core.errors import UnsupportedError
 
 @dataclass
 class _Step:
-    # (kind, start, end, bytes) per call; bytes are nccl-tests' sizes: the gathered
-    # output, the reduce-scattered input. The step's sums and compare --trace's spans.
+    # (kind, start, end, bytes, faults) per call; bytes are nccl-tests' sizes: the gathered
+    # output, the reduce-scattered input; faults the process's minor page faults during the
+    # call (None: not counted). The step's sums and compare --trace's spans.
     calls: list = field(default_factory=list)
 
     @property
@@ -73,11 +75,12 @@ class CommStats:
                 self._steps.append(self._current)
             self._current = _Step()
 
-    def add(self, kind: str, nbytes: int, start: float, end: float | None) -> None:
+    def add(self, kind: str, nbytes: int, start: float, end: float | None, faults: int | None = None) -> None:
         """One call, from start to end (time.perf_counter); end None: launched on a
-        device stream, its bytes counted and its time the device's."""
+        device stream, its bytes counted and its time the device's. faults: the minor
+        page faults the process took during it (a fresh output's pages, first written)."""
         with self._lock:
-            self._current.calls.append((kind, start, start if end is None else end, nbytes))
+            self._current.calls.append((kind, start, start if end is None else end, nbytes, faults))
             self.untimed = self.untimed or end is None
 
     def summary(self) -> dict:
@@ -98,8 +101,16 @@ class CommStats:
         """The finished steps' calls, the spans summary() sums (compare --trace)."""
         with self._lock:
             steps = list(self._steps)
-        return [{"calls": [{"kind": kind.replace("_", "-"), "start": a, "end": b, "bytes": n}
-                           for kind, a, b, n in s.calls]} for s in steps]
+        return [{"calls": [{"kind": kind.replace("_", "-"), "start": a, "end": b, "bytes": n,
+                            **({} if f is None else {"page_faults": f})}
+                           for kind, a, b, n, f in s.calls]} for s in steps]
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far: a call's pages faulted in are the
+    difference across it (on a host the larger part of FSDP's calls whose output is mapped
+    afresh: docs/measurements.md, "The probe in fresh ranks and in ranks that trained")."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _cpu(*tensors) -> None:
@@ -132,13 +143,13 @@ class Gather(_Alloc, AllGather):
             _launched(self.stats, "all_gather", nbytes)
             return work
         _cpu(output_tensor, input_tensor)
-        t0 = time.perf_counter()
+        f0, t0 = minor_faults(), time.perf_counter()
         if self.algorithm is None:
             dist.all_gather_single(output_tensor, input_tensor, group=group)  # FSDP2's own default call
         else:
             all_gather(output_tensor, input_tensor, group=group, algorithm=self.algorithm)
         if self.stats is not None:
-            self.stats.add("all_gather", nbytes, t0, time.perf_counter())
+            self.stats.add("all_gather", nbytes, t0, time.perf_counter(), minor_faults() - f0)
         return None  # done: FSDP goes on as after a blocking call
 
 
@@ -156,13 +167,13 @@ class Scatter(_Alloc, ReduceScatter):
             _launched(self.stats, "reduce_scatter", nbytes)
             return work
         _cpu(output_tensor, input_tensor)
-        t0 = time.perf_counter()
+        f0, t0 = minor_faults(), time.perf_counter()
         if self.algorithm is None:
             dist.reduce_scatter_single(output=output_tensor, input=input_tensor, op=op, group=group)
         else:
             reduce_scatter(output_tensor, input_tensor, op, group=group, algorithm=self.algorithm)
         if self.stats is not None:
-            self.stats.add("reduce_scatter", nbytes, t0, time.perf_counter())
+            self.stats.add("reduce_scatter", nbytes, t0, time.perf_counter(), minor_faults() - f0)
         return None
 
 
