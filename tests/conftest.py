@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 from ranks import RankPool
@@ -33,6 +35,20 @@ class Pools:
     def close(self):
         for p in self._pools.values():
             p.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_tmpdir(tmp_path_factory):
+    """The processes the tests start keep their temporary files in pytest's own temporary
+    directory (removed with its old runs): torchrun leaves a torchelastic_* log directory
+    in the system's for every launch and never removes it (some 140 a run of the suite)."""
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    yield os.environ["TMPDIR"]
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
 
 
 @pytest.fixture(scope="session")

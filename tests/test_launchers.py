@@ -5,7 +5,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import types
+from pathlib import Path
 
 import pytest
 from ranks import clean_launch_env, mpi_launcher
@@ -320,3 +322,16 @@ def test_a_note_left_by_a_dead_rank_0_is_not_read(tmp_path, monkeypatch):
         launch.one_host_store(me, 1.0)
 
 
+
+
+def test_the_launches_of_the_tests_leave_nothing_in_the_systems_temporary_directory(tmp_path):
+    """torchrun, as the tests start it (their environment), writes its log directory under
+    the suite's private TMPDIR (conftest), not as a torchelastic_* left in the system's."""
+    system = Path(tempfile.gettempdir())  # this process's, fixed before the suite's TMPDIR was set
+    before = set(system.glob("torchelastic_*"))
+    (tmp_path / "job.py").write_text("pass\n")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                           str(tmp_path / "job.py")], env=clean_launch_env(), capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert set(system.glob("torchelastic_*")) == before
