@@ -107,9 +107,10 @@ class CommStats:
 
 
 def minor_faults() -> int:
-    """This process's minor page faults so far: a call's pages faulted in are the
-    difference across it (on a host the larger part of FSDP's calls whose output is mapped
-    afresh: docs/measurements.md, "The probe in fresh ranks and in ranks that trained")."""
+    """This process's minor page faults so far; the difference across a call is the pages
+    it faulted in (an output mapped afresh is first written inside the call, one glibc
+    recycled from its heap is not: docs/measurements.md, "The probe in fresh ranks and in
+    ranks that trained")."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
