@@ -144,7 +144,7 @@ def chrome_trace(records: list[dict], mode: str) -> dict:
             for j, c in enumerate(it.get("calls", [])):
                 span(c["kind"], "communication", c["start"], c["end"], rank, "communication",
                      {"kind": c["kind"], "bytes": c["bytes"], "algorithm": rec["algorithm"], "iteration": k,
-                      **{key: c[key] for key in ("page_faults",) if key in c}})
+                      **({"page_faults": c["page_faults"]} if "page_faults" in c else {})})
                 peer_wait(k, ("call", j), c, rank, c["kind"])
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"mode": mode, "clock": "time.perf_counter (CLOCK_MONOTONIC), one host: no offsets",

@@ -121,6 +121,14 @@ def _cpu(*tensors) -> None:
                                    f"got {t.device}")
 
 
+def _timed(stats: CommStats | None, kind: str, nbytes: int, call) -> None:
+    """A blocking call, booked with its time and the page faults taken inside it."""
+    f0, t0 = minor_faults(), time.perf_counter()
+    call()
+    if stats is not None:
+        stats.add(kind, nbytes, t0, time.perf_counter(), minor_faults() - f0)
+
+
 def _launched(stats: CommStats | None, kind: str, nbytes: int) -> None:
     if stats is not None:
         stats.add(kind, nbytes, time.perf_counter(), None)
@@ -144,13 +152,10 @@ class Gather(_Alloc, AllGather):
             _launched(self.stats, "all_gather", nbytes)
             return work
         _cpu(output_tensor, input_tensor)
-        f0, t0 = minor_faults(), time.perf_counter()
-        if self.algorithm is None:
-            dist.all_gather_single(output_tensor, input_tensor, group=group)  # FSDP2's own default call
-        else:
-            all_gather(output_tensor, input_tensor, group=group, algorithm=self.algorithm)
-        if self.stats is not None:
-            self.stats.add("all_gather", nbytes, t0, time.perf_counter(), minor_faults() - f0)
+        _timed(self.stats, "all_gather", nbytes,
+               lambda: dist.all_gather_single(output_tensor, input_tensor, group=group)  # FSDP2's own default call
+               if self.algorithm is None else all_gather(output_tensor, input_tensor, group=group,
+                                                         algorithm=self.algorithm))
         return None  # done: FSDP goes on as after a blocking call
 
 
@@ -168,13 +173,10 @@ class Scatter(_Alloc, ReduceScatter):
             _launched(self.stats, "reduce_scatter", nbytes)
             return work
         _cpu(output_tensor, input_tensor)
-        f0, t0 = minor_faults(), time.perf_counter()
-        if self.algorithm is None:
-            dist.reduce_scatter_single(output=output_tensor, input=input_tensor, op=op, group=group)
-        else:
-            reduce_scatter(output_tensor, input_tensor, op, group=group, algorithm=self.algorithm)
-        if self.stats is not None:
-            self.stats.add("reduce_scatter", nbytes, t0, time.perf_counter(), minor_faults() - f0)
+        _timed(self.stats, "reduce_scatter", nbytes,
+               lambda: dist.reduce_scatter_single(output=output_tensor, input=input_tensor, op=op, group=group)
+               if self.algorithm is None else reduce_scatter(output_tensor, input_tensor, op, group=group,
+                                                             algorithm=self.algorithm))
         return None
 
 
