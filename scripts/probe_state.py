@@ -1,8 +1,9 @@
 """Does the FSDP probe read gloo's 48 MiB all-gather slower because its ranks are fresh?
 (docs/measurements.md, "The probe in fresh ranks and in ranks that trained").
 
-The same probe (syncprobe's: fixed work, a fresh FSDP-style buffer, the call; after the
-last rank's arrival, per rank the mean, the largest rank's) in one set of ranks, first
+syncprobe's loop (fixed work, a fresh FSDP-style buffer, the call; after the last rank's
+arrival, per rank the mean, the largest rank's) with torch's own call as FSDP2 makes it
+(the probe calls gloo's through commlab's connection), in one set of ranks, first
 fresh, then after the issue's transformer was built, fully_shard-ed per block and trained
 a step or more (AdamW, FSDP2's own collectives); each call's minor page faults beside it.
 
@@ -17,7 +18,6 @@ of 16 MiB or more after the last rank's arrival, by kind and thousands of page f
 import argparse
 import collections
 import json
-import resource
 import statistics
 import time
 
@@ -25,10 +25,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.measure import launch, syncprobe
-
-
-def _faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+from commlab.training.fsdp import minor_faults
 
 
 def _probe(rank: int, world: int, nbytes: int, matmuls: int, reps: int):
@@ -40,10 +37,10 @@ def _probe(rank: int, world: int, nbytes: int, matmuls: int, reps: int):
         for _ in range(matmuls):
             a @ a
         out, inp = syncprobe.fsdp_buffers("all_gather", count, rank, world)
-        f0, t0 = _faults(), time.perf_counter()
+        f0, t0 = minor_faults(), time.perf_counter()
         dist.all_gather_single(out, inp)
         calls.append((t0, time.perf_counter()))
-        faults.append(_faults() - f0)
+        faults.append(minor_faults() - f0)
         del out, inp
     return calls, faults
 
@@ -115,13 +112,11 @@ def main() -> None:
     bad = launch.report_failures(outcomes)
     if bad:
         raise SystemExit(bad)
-    done = [w for w in order if w != "probe"]
-    for i in range(order.count("probe")):
-        before = order[:[j for j, w in enumerate(order) if w == "probe"][i]]
+    for i, at in enumerate(j for j, w in enumerate(order) if w == "probe"):
         calls = [outcomes[r].result[i][0] for r in range(a.world_size)]
         faults = outcomes[0].result[i][1][syncprobe.SKIP:]
         got = syncprobe.summarise(calls)
-        state = "+".join(w for w in before if w in done) or "fresh"
+        state = "+".join(w for w in order[:at] if w != "probe") or "fresh"
         print(f"probe {i} ({state}): after the last arrival {got['after_us'] / 1e3:.1f} ms, "
               f"rank 0's page faults per call {min(faults)}-{max(faults)}")
 

@@ -322,8 +322,6 @@ def test_a_note_left_by_a_dead_rank_0_is_not_read(tmp_path, monkeypatch):
         launch.one_host_store(me, 1.0)
 
 
-
-
 def test_the_launches_of_the_tests_leave_nothing_in_the_systems_temporary_directory(tmp_path):
     """torchrun, as the tests start it (their environment), writes its log directory under
     the suite's private TMPDIR (conftest), not as a torchelastic_* left in the system's."""
