@@ -703,6 +703,15 @@ def test_this_host_pools_the_bench_and_probe_taken_first_and_last():
     got = probes["all_gather"]["shm"]
     assert got["after_us"] == pytest.approx(200.0) and got["exit_spread_us"] == pytest.approx(20.0)
     assert got["samples_after_us"] == [100.0, 300.0] and got["bytes"] == 1 << 20
+    # The calls into recycled buffers are pooled alike.
+    recycled = [probe(a) for a in (100.0, 300.0)]
+    for r, a in zip(recycled, (60.0, 100.0)):
+        r["all_gather"]["shm"]["reused"] = {"after_us": a, "exit_spread_us": a / 5, "wait_us": 1.0, "bytes": 1 << 20}
+    _, probes = cli.pooled_samples([{"benches": [], "in_training": r} for r in recycled])
+    got = probes["all_gather"]["shm"]
+    assert got["after_us"] == pytest.approx(200.0)
+    assert got["reused"]["after_us"] == pytest.approx(80.0) and got["reused"]["exit_spread_us"] == pytest.approx(16.0)
+    assert got["reused"]["samples_after_us"] == [60.0, 100.0]
     # A size one sample alone timed keeps its one time.
     other = dict(bench(5.0, None), results=[{"algorithm": "ring", "bytes": 8, "time_us": 9.0}])
     benches, _ = cli.pooled_samples([{"benches": [bench(1.0, 0.3), other], "in_training": {}}])

@@ -438,6 +438,51 @@ def test_this_host_prices_fsdps_calls_as_training_issues_them():
         assert void["grad_sync_ms"] == pytest.approx(unprobed["grad_sync_ms"], rel=1e-9)
 
 
+def test_this_host_prices_fsdps_calls_between_the_allocators_two_states():
+    """Whether FSDP2's output for a call is mapped afresh (its pages faulted in inside the
+    call) or recycled from the heap is the allocator's state at that moment, which nothing
+    before the run tells (2026-12-06 traces: 18-47 % of gloo's 48 MiB all-gathers recycled,
+    91-98 ms against 133-135 mapped afresh). With the probe's call into recycled buffers
+    beside the fresh one, the prediction is the middle of the two states' and its
+    standard error takes in their range (as a mixture anywhere in it: half the range over
+    √3); the range is in the breakdown. Without the recycled probe: the fresh one alone."""
+    p, a, b, n16 = 4, 30.0, 2e-3, 16 << 20
+    names = ("shm", "builtin")
+    benches = [_affine_bench(c, names, p, a, b) for c in ("all_reduce", "all_gather", "reduce_scatter")]
+    kw = dict(compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0,
+              unit_waits_ms={"fbe": 7.0, "fe": 3.0}, wait_se_ms={"fbe": 0.3, "fe": 0.4})
+    base = M.this_host(benches, **kw)
+    at16 = {c: {n: M.collective_us(base, c, n, p, n16) for n in names} for c in ("all_gather", "reduce_scatter")}
+
+    def probe(k):
+        return {c: {n: {"after_us": k * t, "exit_spread_us": 0.25 * k * t, "bytes": n16} for n, t in by.items()}
+                for c, by in at16.items()}
+
+    both = probe(3.0)
+    for c, by in both.items():
+        for n in by:
+            by[n]["reused"] = probe(1.5)[c][n]
+    s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
+    steps = M.Steps(s)
+    for mode in ("fsdp", "fsdp:shm", "fsdp:noreshard"):
+        fresh, recycled, mid = (M.predict([mode], s, M.this_host(benches, **kw, in_training=pr), steps)[0]
+                                for pr in (probe(3.0), probe(1.5), both))
+        for key in ("exposed", "after_arrival", "total"):
+            assert mid["grad_sync_ms"][key] == pytest.approx(
+                (fresh["grad_sync_ms"][key] + recycled["grad_sync_ms"][key]) / 2, rel=1e-9), (mode, key)
+        assert mid["iter_ms"]["median"] == pytest.approx((fresh["iter_ms"]["median"] + recycled["iter_ms"]["median"])
+                                                         / 2, rel=1e-9)
+        lo, hi = recycled["grad_sync_ms"]["exposed"], fresh["grad_sync_ms"]["exposed"]
+        assert lo < hi and mid["breakdown"]["allocator_range_ms"]["exposed"] == pytest.approx([lo, hi])
+        assert mid["breakdown"]["allocator_range_ms"]["iteration"] == pytest.approx(
+            [recycled["iter_ms"]["median"], fresh["iter_ms"]["median"]])
+        se = fresh["grad_sync_ms"]["exposed_se"]
+        assert se == recycled["grad_sync_ms"]["exposed_se"] > 0
+        assert mid["grad_sync_ms"]["exposed_se"] == pytest.approx((se ** 2 + ((hi - lo) / 2) ** 2 / 3) ** 0.5)
+        assert "allocator_range_ms" not in fresh["breakdown"]
+        assert mid["tensor_mb"] == fresh["tensor_mb"] and mid["comm_mb"] == fresh["comm_mb"]
+
+
 def test_this_host_prices_what_is_left_of_ddps_buckets_after_backward_as_the_probe_times_it():
     """DDP's buckets left after backward are called after compute, the ranks arriving
     apart; in training (2026-12-06 traces, 4 ranks on 2 cores, the issue's 1024x8 model)

@@ -75,6 +75,11 @@ def fsdp_buffers(collective: str, count: int, rank: int, world: int):
     return out, inp
 
 
+# Where FSDP2's output for a call comes from is the allocator's state at that moment: mapped
+# afresh (glibc, above its mmap threshold: its pages fault in inside the call) or a free heap
+# chunk already faulted in. The probe times a call in each.
+FRESH, REUSED = "fresh", "reused"
+
 ZERO1 = "zero1_broadcasts"  # ZeRO-1's step end: every parameter broadcast from its owner, waited for together
 
 
@@ -90,12 +95,13 @@ def zero1_owners(sizes: list[int], world: int) -> list[list[int]]:
     return owned
 
 
-def _caller(rank: int, world: int, collective: str, algorithm: str, size):
+def _caller(rank: int, world: int, collective: str, algorithm: str, size, state: str = FRESH):
     """What one rep calls after its work, as a function that makes the call's buffers and
     returns the call to time (making them is the step's work, not the collective's): a
-    collective as FSDP2 or DDP calls it (size: its bytes), or ZeRO-1's broadcasts (size:
-    every parameter's bytes; torch's broadcasts, issued asynchronously rank by rank and
-    waited for together, as its _sync_params)."""
+    collective as FSDP2 or DDP calls it (size: its bytes; FSDP2's buffers allocated for
+    every call, or with state REUSED made once, as a recycled chunk, the input rewritten),
+    or ZeRO-1's broadcasts (size: every parameter's bytes; torch's broadcasts, issued
+    asynchronously rank by rank and waited for together, as its _sync_params)."""
     import torch
     import torch.distributed as dist
 
@@ -112,6 +118,14 @@ def _caller(rank: int, world: int, collective: str, algorithm: str, size):
         bucket = torch.ones(count)
         return lambda: lambda: spec.run(algorithm, None, bucket, Op.SUM)
 
+    if state == REUSED:
+        out, inp = fsdp_buffers(collective, count, rank, world)
+
+        def reused():  # the same pages every call, as a heap chunk handed back; the input copied in again
+            inp.fill_(1.0)
+            return lambda: spec.run(algorithm, out, inp, Op.SUM)
+        return reused
+
     def fresh():  # FSDP2's buffers, allocated for each call (its input written before it) and freed after
         out, inp = fsdp_buffers(collective, count, rank, world)
         return lambda: spec.run(algorithm, out, inp, Op.SUM)
@@ -120,16 +134,16 @@ def _caller(rank: int, world: int, collective: str, algorithm: str, size):
 
 def probe_rank(rank: int, world: int, probes: list[tuple[str, str, object]], matmuls: int,
                reps: int = REPS) -> list[list[tuple[float, float]]]:
-    """One rank, for each (collective, algorithm, size) in turn: `reps` times the same
-    work, then one call (_caller), timed from its start to its end; (start, end) of each
-    call, per probe."""
+    """One rank, for each (collective, algorithm, size[, state]) in turn: `reps` times the
+    same work, then one call (_caller), timed from its start to its end; (start, end) of
+    each call, per probe."""
     import torch
     import torch.distributed as dist
 
     a = torch.randn(256, 256)
     out_calls = []
-    for collective, algorithm, size in probes:
-        prepare = _caller(rank, world, collective, algorithm, size)
+    for collective, algorithm, size, *state in probes:
+        prepare = _caller(rank, world, collective, algorithm, size, *state)
         calls = []
         dist.barrier()
         for _ in range(reps):
@@ -183,8 +197,8 @@ def measure_all(world: int, probes: list[tuple[str, str, object]], work_ms: floa
     outcomes = launch.run_once(world, probe_rank, list(probes), matmuls, reps, backend="gloo", timeout=timeout)
     bad = launch.report_failures(outcomes)
     if bad:
-        names = ", ".join(f"{c} {a}" for c, a, _ in probes)
+        names = ", ".join(f"{c} {a}" for c, a, *_ in probes)
         raise RuntimeError(f"the probe of {names} failed:\n{bad}")
     return [{**summarise([outcomes[r].result[i] for r in range(world)]), "work_ms": work_ms, "reps": reps,
-             **({"bytes": sum(n), "sizes": list(n)} if c == ZERO1 else {"bytes": n})}
-            for i, (c, _, n) in enumerate(probes)]
+             **({"bytes": sum(n), "sizes": list(n)} if c == ZERO1 else {"bytes": n}), **({"state": s[0]} if s else {})}
+            for i, (c, _, n, *s) in enumerate(probes)]

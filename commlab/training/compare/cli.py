@@ -254,10 +254,14 @@ def pooled_samples(samples: list[dict]) -> tuple[list[dict], dict]:
         for c, by in sample["in_training"].items():
             for name, got in by.items():
                 probes.setdefault(c, {}).setdefault(name, []).append(got)
-    mean = lambda runs, k: sum(g[k] for g in runs) / len(runs)  # noqa: E731
-    return out, {c: {name: {**runs[-1], **{k: mean(runs, k) for k in ("after_us", "exit_spread_us", "wait_us")},
-                            "samples_after_us": [g["after_us"] for g in runs]}
-                     for name, runs in by.items()} for c, by in probes.items()}
+    def pool(runs: list[dict]) -> dict:
+        got = {**{k: v for k, v in runs[-1].items() if k != "reused"}, **{k: sum(g[k] for g in runs) / len(runs) for k in ("after_us", "exit_spread_us", "wait_us")},
+               "samples_after_us": [g["after_us"] for g in runs]}
+        if all("reused" in g for g in runs):  # FSDP's calls into recycled buffers, pooled alike
+            got["reused"] = pool([g["reused"] for g in runs])
+        return got
+
+    return out, {c: {name: pool(runs) for name, runs in by.items()} for c, by in probes.items()}
 
 
 def host_collectives(modes: list[str]) -> dict[str, list[str]]:
@@ -318,12 +322,15 @@ def probe_in_training(world: int, modes: list[str], nbytes: int = 16 << 20, ddp_
     is what the table's "after the last rank arrived" reads); with params (every
     parameter's bytes) and zero1 compared, ZeRO-1's broadcasts of them all, issued and
     waited for together as torch's ZeroRedundancyOptimizer does. $COMMLAB_PROBE_REPS: calls
-    per probe (default 12; the docs' examples, run to show they work, take fewer)."""
+    per probe (default 12; the docs' examples, run to show they work, take fewer). FSDP's
+    calls are probed in both of the allocator's states, the output mapped afresh and
+    recycled: the second as the first's "reused"."""
     from commlab.measure import syncprobe
 
     reps = int(os.environ.get("COMMLAB_PROBE_REPS", syncprobe.REPS))
-    calls = [(c, name, nbytes) for c, names in host_collectives([m for m in modes if m.startswith("fsdp")]).items()
-             if c in ("all_gather", "reduce_scatter") for name in names]
+    calls = [(c, name, nbytes, state)
+             for c, names in host_collectives([m for m in modes if m.startswith("fsdp")]).items()
+             if c in ("all_gather", "reduce_scatter") for name in names for state in (syncprobe.FRESH, syncprobe.REUSED)]
     if ddp_bytes:
         calls += [("all_reduce", name, ddp_bytes) for name in _ddp_all_reduces(modes)]
     if params and "zero1" in modes:
@@ -331,11 +338,15 @@ def probe_in_training(world: int, modes: list[str], nbytes: int = 16 << 20, ddp_
 
         calls.append((syncprobe.ZERO1, BROADCAST["cpu"], list(params)))
     if calls:
-        print("# predicting this-host: " + ", ".join(f"{c} {name}" for c, name, _ in calls)
+        print("# predicting this-host: " + ", ".join(f"{c} {name}" + (f" ({s[0]})" if s else "")
+                                                     for c, name, _, *s in calls)
               + " after compute (syncprobe)", file=sys.stderr, flush=True)
     out: dict = {}
-    for (collective, name, _), got in zip(calls, syncprobe.measure_all(world, calls, reps=reps)):
-        out.setdefault(collective, {})[name] = got
+    for (collective, name, _, *state), got in zip(calls, syncprobe.measure_all(world, calls, reps=reps)):
+        if state == [syncprobe.REUSED]:  # probed right after its fresh twin
+            out[collective][name]["reused"] = got
+        else:
+            out.setdefault(collective, {})[name] = got
     return out
 
 

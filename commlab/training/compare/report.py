@@ -40,10 +40,14 @@ DEFINITIONS = """\
                of each block's forward, backward and backward's end, plus how far
                apart the ranks leave each call), the part after the arrival does not;
                FSDP's calls on this host at their probed ratio to the bench (calls
-               after compute: measure.syncprobe). ±: the standard error of the
-               mean over the timed steps — measured: of the largest rank's exposed
-               time per step; predicted: of the wait charged, over ddp:noop's steps
-               (this-host runs it first and last; the two pooled)
+               after compute: measure.syncprobe), in the middle of the two states
+               the allocator may hand each output in (mapped afresh, its pages
+               faulted in inside the call, or recycled from the heap). ±: the
+               standard error of the mean over the timed steps — measured: of the
+               largest rank's exposed time per step; predicted: of the wait
+               charged, over ddp:noop's steps (this-host runs it first and last;
+               the two pooled), for FSDP with the two states' range (half of it
+               over √3: a mixture anywhere in it)
   tensor bytes the peak, over one extra step sampled at every leaf module's forward,
                every gradient's accumulation and after the optimizer step, of the
                bytes of unique storages a rank holds as parameters (sharded, or

@@ -198,14 +198,18 @@ def collective_us(prof: Profile, collective: str, algorithm: str, p: int, nbytes
     return link["call_latency_us"] + c.time(link["step_latency_us"], 1 / (link["gbps"] * 1e3), gamma)
 
 
-def in_training(prof, probe: str, algorithm: str, p: int, collective: str | None = None) -> tuple[float, float, bool]:
+def in_training(prof, probe: str, algorithm: str, p: int, collective: str | None = None,
+                reused: bool = False) -> tuple[float, float, bool]:
     """(how much longer a call takes after compute than the bench's back-to-back one, its
     exit spread per µs of call, whether a probe gave them) from this host's probe
     (measure.syncprobe) at its size; (1, 0, False) without one (a hardware profile: one
     rank per device, none descheduled) or where it timed nothing. FSDP's calls and DDP's
     buckets both; ZeRO-1's broadcasts (probe syncprobe.ZERO1, collective "broadcast"): a
-    call per size it lists, priced one after another."""
+    call per size it lists, priced one after another. reused: FSDP's calls into buffers
+    the allocator recycled, where probed (else the fresh ones')."""
     got = prof.in_training.get(probe, {}).get(algorithm)
+    if reused and got and got.get("reused"):
+        got = got["reused"]
     if not got or got["after_us"] <= 0:
         return 1.0, 0.0, False
     priced = sum(collective_us(prof, collective or probe, algorithm, p, n) for n in got.get("sizes") or [got["bytes"]])

@@ -84,9 +84,10 @@ class Held:
 
 
 def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us,
-          accum: int = 1) -> tuple[float, dict, float, dict]:
+          accum: int = 1, reused: bool = False) -> tuple[float, dict, float, dict]:
     """One FSDP step of `accum` micro-steps (t: one micro-step's op times): (iteration µs,
-    tensor bytes at the peak, bytes communicated, schedule facts)."""
+    tensor bytes at the peak, bytes communicated, schedule facts). reused: every call's
+    output recycled by the allocator, as this host's probe timed it (else mapped afresh)."""
     algorithm, reshard = fsdp_algorithm(mode), mode != "fsdp:noreshard"
     blocks, root = [u for u in st.units[:-1] if u.params], st.units[-1]
     size = [sum(st.params[i] for i in u.params) for u in blocks]
@@ -105,7 +106,7 @@ def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us,
     # Called after compute, as training calls them: this host's probe gives how much longer
     # a call takes than the bench's back-to-back one, and how far apart the ranks leave it;
     # its calls write fresh buffers as FSDP2's do, so their page faults are in that ratio.
-    slow = {c: in_training(prof, c, algorithm, p) for c in ("all_gather", "reduce_scatter")}
+    slow = {c: in_training(prof, c, algorithm, p, reused=reused) for c in ("all_gather", "reduce_scatter")}
     faults = lambda c, n: 0.0 if slow[c][2] else first_touch_us(prof, n)  # noqa: E731
     exits = [0.0]  # the exit spreads summed over the step's calls: where each next wait starts from
 
@@ -273,16 +274,31 @@ def predict(mode: str, s, prof, steps) -> dict:
         info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / p / 1e3,
                 "broadcast_ms": bcast / 1e3, "per_device_batch": b, **M._micro(s)}
     else:
-        it, held, comm, facts = _fsdp(mode, p, st, t, prof, M.collective_us, s.accum_steps)
-        total = facts.pop("comm_us")
-        exposed = min(total, it - compute - facts["optimizer_ms"] * 1e3)  # the copies are not the collectives'
-        # As predict_ddp, a rank that reaches a collective first waits there for the last; FSDP
-        # synchronises at every unit, the ranks drifting apart between units (ddp:noop's marks)
-        # and leaving each call apart (the probe's exit spread).
         drift, wait_se = M.wait_charged(prof, "fe" if mode == "fsdp:noreshard" else "fbe")
-        waiting = drift * 1e3 + facts.pop("exit_spread_us")
-        total, exposed = total + waiting, exposed + waiting
+
+        def step(reused: bool) -> tuple:
+            it, held, comm, facts = _fsdp(mode, p, st, t, prof, M.collective_us, s.accum_steps, reused)
+            total = facts.pop("comm_us")
+            exposed = min(total, it - compute - facts["optimizer_ms"] * 1e3)  # the copies are not the collectives'
+            # As predict_ddp, a rank that reaches a collective first waits there for the last; FSDP
+            # synchronises at every unit, the ranks drifting apart between units (ddp:noop's marks)
+            # and leaving each call apart (the probe's exit spread).
+            waiting = drift * 1e3 + facts.pop("exit_spread_us")
+            return it, held, comm, facts, total + waiting, exposed + waiting, waiting
+
+        it, held, comm, facts, total, exposed, waiting = step(False)
         info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, **facts, "per_device_batch": b, **M._micro(s)}
+        algorithm = fsdp_algorithm(mode)
+        if any(prof.in_training.get(c, {}).get(algorithm, {}).get("reused") for c in ("all_gather", "reduce_scatter")):
+            # Whether an output is mapped afresh or recycled is the allocator's state at that
+            # moment, which nothing before the run tells: the middle of the two states, their
+            # range in the standard error (a mixture anywhere in it: half the range over √3).
+            low = step(True)
+            info["allocator_range_ms"] = {"iteration": [low[0] / 1e3, it / 1e3], "exposed": [low[5] / 1e3, exposed / 1e3]}
+            half = (exposed - low[5]) / 2e3
+            it, total, exposed, waiting = ((x + y) / 2 for x, y in zip((it, total, exposed, waiting),
+                                                                      (low[0], low[4], low[5], low[6])))
+            wait_se = ((wait_se or 0.0) ** 2 + half ** 2 / 3) ** 0.5
     busy = 100.0  # as predict_ddp's: NVML counts a collective's kernels as busy, and nothing else waits
     if prof.device == "cpu":
         return M._row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm, waiting, wait_se)
