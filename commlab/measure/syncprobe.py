@@ -4,7 +4,10 @@ The bench times calls back to back, the ranks lined up by the previous call. In 
 (FSDP's all-gathers and reduce-scatters between blocks) each call follows compute, the
 ranks arrive apart, and where they outnumber the cores the early ones sleep in the call
 and must be woken when the last arrives; and each call writes buffers FSDP2 allocated for
-it (fsdp_buffers), whose pages fault in as they are first written. This probe runs that:
+it (fsdp_buffers), whose pages fault in as they are first written where the allocator
+mapped them afresh, and not where it recycled a chunk of its heap (state REUSED: the
+same buffers every call; which one a call meets is the heap's state at that moment,
+so FSDP's calls are probed in both). This probe runs that:
 every rank the same fixed work, then the call, a dozen times, and reads on the shared
 clock of one host (ranks of one machine: perf_counter is CLOCK_MONOTONIC) what compare's
 table reads in training:

@@ -255,8 +255,9 @@ def pooled_samples(samples: list[dict]) -> tuple[list[dict], dict]:
             for name, got in by.items():
                 probes.setdefault(c, {}).setdefault(name, []).append(got)
     def pool(runs: list[dict]) -> dict:
-        got = {**{k: v for k, v in runs[-1].items() if k != "reused"}, **{k: sum(g[k] for g in runs) / len(runs) for k in ("after_us", "exit_spread_us", "wait_us")},
-               "samples_after_us": [g["after_us"] for g in runs]}
+        got = {k: v for k, v in runs[-1].items() if k != "reused"}
+        got.update({k: sum(g[k] for g in runs) / len(runs) for k in ("after_us", "exit_spread_us", "wait_us")},
+                   samples_after_us=[g["after_us"] for g in runs])
         if all("reused" in g for g in runs):  # FSDP's calls into recycled buffers, pooled alike
             got["reused"] = pool([g["reused"] for g in runs])
         return got

@@ -105,7 +105,8 @@ def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us,
     # afresh (glibc: above its mmap threshold; a GPU's caching allocator: never).
     # Called after compute, as training calls them: this host's probe gives how much longer
     # a call takes than the bench's back-to-back one, and how far apart the ranks leave it;
-    # its calls write fresh buffers as FSDP2's do, so their page faults are in that ratio.
+    # its calls write buffers as FSDP2's do (allocated for the call, or recycled where reused),
+    # so their page faults are in that ratio.
     slow = {c: in_training(prof, c, algorithm, p, reused=reused) for c in ("all_gather", "reduce_scatter")}
     faults = lambda c, n: 0.0 if slow[c][2] else first_touch_us(prof, n)  # noqa: E731
     exits = [0.0]  # the exit spreads summed over the step's calls: where each next wait starts from
@@ -292,7 +293,8 @@ def predict(mode: str, s, prof, steps) -> dict:
         if any(prof.in_training.get(c, {}).get(algorithm, {}).get("reused") for c in ("all_gather", "reduce_scatter")):
             # Whether an output is mapped afresh or recycled is the allocator's state at that
             # moment, which nothing before the run tells: the middle of the two states, their
-            # range in the standard error (a mixture anywhere in it: half the range over √3).
+            # range in the standard error (a mixture anywhere in it: half the range over √3);
+            # allocator_range_ms lists [recycled, mapped afresh].
             low = step(True)
             info["allocator_range_ms"] = {"iteration": [low[0] / 1e3, it / 1e3], "exposed": [low[5] / 1e3, exposed / 1e3]}
             half = (exposed - low[5]) / 2e3
