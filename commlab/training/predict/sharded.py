@@ -295,11 +295,11 @@ def predict(mode: str, s, prof, steps) -> dict:
             # moment, which nothing before the run tells: the middle of the two states, their
             # range in the standard error (a mixture anywhere in it: half the range over √3);
             # allocator_range_ms lists [recycled, mapped afresh].
-            low = step(True)
-            info["allocator_range_ms"] = {"iteration": [low[0] / 1e3, it / 1e3], "exposed": [low[5] / 1e3, exposed / 1e3]}
-            half = (exposed - low[5]) / 2e3
-            it, total, exposed, waiting = ((x + y) / 2 for x, y in zip((it, total, exposed, waiting),
-                                                                      (low[0], low[4], low[5], low[6])))
+            it_r, _, _, _, total_r, exposed_r, waiting_r = step(True)
+            info["allocator_range_ms"] = {"iteration": [it_r / 1e3, it / 1e3], "exposed": [exposed_r / 1e3, exposed / 1e3]}
+            half = (exposed - exposed_r) / 2e3
+            it, total, exposed, waiting = ((it + it_r) / 2, (total + total_r) / 2, (exposed + exposed_r) / 2,
+                                           (waiting + waiting_r) / 2)
             wait_se = ((wait_se or 0.0) ** 2 + half ** 2 / 3) ** 0.5
     busy = 100.0  # as predict_ddp's: NVML counts a collective's kernels as busy, and nothing else waits
     if prof.device == "cpu":
