@@ -712,6 +712,14 @@ def test_this_host_pools_the_bench_and_probe_taken_first_and_last():
     assert got["after_us"] == pytest.approx(200.0)
     assert got["reused"]["after_us"] == pytest.approx(80.0) and got["reused"]["exit_spread_us"] == pytest.approx(16.0)
     assert got["reused"]["samples_after_us"] == [60.0, 100.0]
+    # ZeRO-1's wait at its broadcasts and its optimizer's phase alike; the ±, of two samples' mean.
+    zero1 = [{"zero1_broadcasts": {"builtin": {"after_us": 1.0, "exit_spread_us": 0.1, "wait_us": 9.0, "state": "adamw",
+                                               "wait_mean_us": w, "wait_mean_se_us": se, "work_to_last_us": 10 * w}}}
+             for w, se in ((100.0, 30.0), (200.0, 40.0))]
+    _, probes = cli.pooled_samples([{"benches": [], "in_training": r} for r in zero1])
+    got = probes["zero1_broadcasts"]["builtin"]
+    assert (got["wait_mean_us"], got["work_to_last_us"], got["state"]) == (150.0, 1500.0, "adamw")
+    assert got["wait_mean_se_us"] == pytest.approx(25.0)
     # A size one sample alone timed keeps its one time.
     other = dict(bench(5.0, None), results=[{"algorithm": "ring", "bytes": 8, "time_us": 9.0}])
     benches, _ = cli.pooled_samples([{"benches": [bench(1.0, 0.3), other], "in_training": {}}])

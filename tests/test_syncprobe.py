@@ -15,6 +15,13 @@ def test_the_probe_reads_what_compares_table_reads():
     assert got["wait_us"] == pytest.approx(0.25e6)  # rank 0: (0.4 + 0.1) / 2
     # The first calls (transports set up, buffers faulted in) are left out by default.
     assert syncprobe.summarise([c + c[-1:] * 2 for c in calls])["after_us"] == pytest.approx(0.4e6)
+    # The wait as one more synchronisation adds it: its mean over ranks and calls, ± over calls.
+    assert got["wait_mean_us"] == pytest.approx(0.125e6)  # calls' rank means 0.2 and 0.05
+    assert got["wait_mean_se_us"] == pytest.approx(0.075e6)
+    assert "work_to_last_us" not in got
+    # With each work's start: from it to the last arrival, the mean over ranks and calls.
+    worked = [[(0.0, 1.0, -0.3), (2.0, 2.5, 1.5)], [(0.4, 1.2, -0.2), (2.1, 2.5, 1.6)]]
+    assert syncprobe.summarise(worked, skip=0)["work_to_last_us"] == pytest.approx(0.6e6)  # .7 .6 .6 .5
 
 
 def test_the_probes_buffers_are_made_as_fsdp2_makes_them():
@@ -150,6 +157,54 @@ def test_the_probe_times_zero1s_broadcasts_issued_together():
     assert got["after_us"] > 0 and got["exit_spread_us"] >= 0
 
 
+def _zero1_steps(rank, world, sizes, optimizer):
+    import torch
+
+    stepped = []
+    kind = getattr(torch.optim, syncprobe.OPTIMIZERS[optimizer])
+
+    class Recording(kind):
+        def step(self, *a, **kw):
+            stepped.append(sorted(p.numel() * 4 for g in self.param_groups for p in g["params"]))
+            return super().step(*a, **kw)
+
+    setattr(torch.optim, kind.__name__, Recording)
+    try:
+        prepare = syncprobe._caller(rank, world, syncprobe.ZERO1, "builtin", sizes, optimizer)
+        for _ in range(2):
+            prepare()()
+    finally:
+        setattr(torch.optim, kind.__name__, kind)
+    got = syncprobe.probe_rank(rank, world, [(syncprobe.ZERO1, "builtin", sizes, optimizer)], matmuls=10**6,
+                               reps=2)[0]
+    return stepped, max(t0 - w0 for t0, _end, w0 in got)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_zero1s_probe_steps_each_ranks_own_parameters_before_the_broadcasts(optimizer):
+    """ZeRO-1's ranks step their own parameters at once (lined up by the buckets) and the
+    broadcasts wait for the slowest: 4 ranks on 2 cores finished their quarter of AdamW
+    112 to 845 ms apart within one step (2026-12-06), a wait the probe after fixed work
+    never showed. With an optimizer named, each call follows that optimizer's step on the
+    rank's own parameters, and that step is the work (no fixed work besides)."""
+    from commlab.measure import launch
+
+    sizes = [4096, 64, 8192, 4096, 256, 8192, 128, 4]
+    outcomes = launch.run_once(2, _zero1_steps, sizes, optimizer, backend="gloo", timeout=60)
+    assert not launch.report_failures(outcomes)
+    owners = syncprobe.zero1_owners(sizes, 2)
+    for r in range(2):
+        stepped, before_call = outcomes[r].result
+        assert stepped == [sorted(sizes[i] for i in owners[r])] * 2
+        assert before_call < 5.0  # a million matmuls would take minutes: not made
+
+
+def test_the_zero1_probe_reads_the_wait_at_the_broadcasts():
+    got = syncprobe.measure_all(2, [(syncprobe.ZERO1, "builtin", [1 << 16, 4096, 64], "adamw")], reps=4)[0]
+    assert got["state"] == "adamw" and got["work_to_last_us"] > 0
+    assert got["wait_mean_us"] >= 0 and got["wait_mean_se_us"] >= 0
+
+
 def test_compare_probes_zero1s_broadcasts_with_the_models_parameters(monkeypatch):
     from commlab.training.compare import cli
 
@@ -157,8 +212,10 @@ def test_compare_probes_zero1s_broadcasts_with_the_models_parameters(monkeypatch
     monkeypatch.setattr(syncprobe, "measure_all", lambda world, calls, reps: [seen.append(c) or {"x": 1}
                                                                               for c in calls])
     args = {"model": "mlp", "width": 16, "depth": 2, "bucket_cap_mb": 25}
-    got = cli.probe_in_training(4, ["ddp", "zero1"], 1 << 20, cli.ddp_bucket_bytes(args), cli.param_bytes(args))
-    assert (syncprobe.ZERO1, "builtin", cli.param_bytes(args)) in seen and got[syncprobe.ZERO1] == {"builtin": {"x": 1}}
+    got = cli.probe_in_training(4, ["ddp", "zero1"], 1 << 20, cli.ddp_bucket_bytes(args), cli.param_bytes(args),
+                                "adamw")
+    assert (syncprobe.ZERO1, "builtin", cli.param_bytes(args), "adamw") in seen  # after the optimizer's step
+    assert got[syncprobe.ZERO1] == {"builtin": {"x": 1}}
     seen.clear()
     cli.probe_in_training(4, ["ddp"], 1 << 20, cli.ddp_bucket_bytes(args), cli.param_bytes(args))
     assert [c for c, *_ in seen] == ["all_reduce"]  # no zero1 compared: no broadcasts probed
@@ -175,7 +232,7 @@ def _probe_with_slow_buffers(rank, world):
 
     syncprobe.fsdp_buffers = slow
     calls = syncprobe.probe_rank(rank, world, [("reduce_scatter", "shm", 1 << 16)], matmuls=1, reps=4)[0]
-    return max(end - start for start, end in calls)
+    return max(end - start for start, end, _work in calls)
 
 
 def test_the_probe_times_the_call_not_the_making_of_its_buffers():

@@ -32,7 +32,9 @@ largest unit with fresh buffers.
 The same for DDP's buckets (an all-reduce in place at a full bucket: what is left of
 them after backward) and for ZeRO-1's step end (every parameter broadcast from its
 owner, issued asynchronously and waited for together, as torch's ZeroRedundancyOptimizer
-does: priced one call after another from the bench, three runs measured 22-76 % less).
+does: priced one call after another from the bench, three runs measured 22-76 % less);
+there the work before the call is the optimizer's step on each rank's own parameters,
+all ranks at once, and the wait for the slowest is ZeRO-1's second synchronisation a step.
 """
 from __future__ import annotations
 
@@ -84,6 +86,9 @@ def fsdp_buffers(collective: str, count: int, rank: int, world: int):
 FRESH, REUSED = "fresh", "reused"
 
 ZERO1 = "zero1_broadcasts"  # ZeRO-1's step end: every parameter broadcast from its owner, waited for together
+# What ZeRO-1's broadcasts follow: each rank's optimizer stepping its own parameters, all at
+# once (the buckets' all-reduce lined them up). Its probe names the optimizer as its state.
+OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD"}
 
 
 def zero1_owners(sizes: list[int], world: int) -> list[list[int]]:
@@ -104,7 +109,9 @@ def _caller(rank: int, world: int, collective: str, algorithm: str, size, state:
     collective as FSDP2 or DDP calls it (size: its bytes; FSDP2's buffers allocated for
     every call, or with state REUSED made once, as a recycled chunk, the input rewritten),
     or ZeRO-1's broadcasts (size: every parameter's bytes; torch's broadcasts, issued
-    asynchronously rank by rank and waited for together, as its _sync_params)."""
+    asynchronously rank by rank and waited for together, as its _sync_params; with state
+    an optimizer's name, that optimizer's step on the rank's own parameters made before
+    them, as ZeroRedundancyOptimizer.step makes it)."""
     import torch
     import torch.distributed as dist
 
@@ -113,8 +120,20 @@ def _caller(rank: int, world: int, collective: str, algorithm: str, size, state:
 
     if collective == ZERO1:
         params = [torch.ones(max(1, n // 4)) for n in size]  # the parameters persist from step to step
-        order = [(src, params[i]) for src, idx in enumerate(zero1_owners(size, world)) for i in idx]
-        return lambda: lambda: [h.wait() for h in [dist.broadcast(t, src=src, async_op=True) for src, t in order]]
+        owners = zero1_owners(size, world)
+        order = [(src, params[i]) for src, idx in enumerate(owners) for i in idx]
+        step = lambda: None  # noqa: E731
+        if state in OPTIMIZERS:
+            own = [params[i] for i in owners[rank]]
+            for t in own:
+                t.grad = torch.full_like(t, 1e-3)  # DDP's averaged gradients, left in place by the broadcasts
+            step = getattr(torch.optim, OPTIMIZERS[state])(own, lr=1e-3).step
+
+        def stepped():
+            with torch.no_grad():
+                step()
+            return lambda: [h.wait() for h in [dist.broadcast(t, src=src, async_op=True) for src, t in order]]
+        return stepped
     spec = SPECS[collective]  # the bench's sizes and call: nbytes is the gathered output, the reduced input
     count = spec.count(size, 4, world)
     if spec.output is None:  # in place (all-reduce): DDP's bucket, allocated once and reduced every step
@@ -138,8 +157,9 @@ def _caller(rank: int, world: int, collective: str, algorithm: str, size, state:
 def probe_rank(rank: int, world: int, probes: list[tuple[str, str, object]], matmuls: int,
                reps: int = REPS) -> list[list[tuple[float, float]]]:
     """One rank, for each (collective, algorithm, size[, state]) in turn: `reps` times the
-    same work, then one call (_caller), timed from its start to its end; (start, end) of
-    each call, per probe."""
+    same work, then one call (_caller), timed from its start to its end; (start, end, the
+    start of the work before it) of each call, per probe. ZeRO-1's broadcasts after an
+    optimizer's step have that step for their work."""
     import torch
     import torch.distributed as dist
 
@@ -147,39 +167,51 @@ def probe_rank(rank: int, world: int, probes: list[tuple[str, str, object]], mat
     out_calls = []
     for collective, algorithm, size, *state in probes:
         prepare = _caller(rank, world, collective, algorithm, size, *state)
+        work = 0 if collective == ZERO1 and state and state[0] in OPTIMIZERS else matmuls
         calls = []
         dist.barrier()
         for _ in range(reps):
-            for _ in range(matmuls):
+            w0 = time.perf_counter()
+            for _ in range(work):
                 a @ a
             call = prepare()
             t0 = time.perf_counter()
             call()
-            calls.append((t0, time.perf_counter()))
+            calls.append((t0, time.perf_counter(), w0))
             del call  # FSDP2's buffers freed before the next
         out_calls.append(calls)
         del prepare
     return out_calls
 
 
-def summarise(calls: list[list[tuple[float, float]]], skip: int = SKIP) -> dict:
-    """Every rank's (start, end) per call, on one clock -> after_us, exit_spread_us, wait_us
-    (per rank the mean over calls of its wait for the last arrival, the largest rank's)."""
+def summarise(calls: list[list[tuple]], skip: int = SKIP) -> dict:
+    """Every rank's (start, end[, start of its work]) per call, on one clock -> after_us,
+    exit_spread_us, wait_us (per rank the mean over calls of its wait for the last arrival,
+    the largest rank's), wait_mean_us (that wait's mean over ranks and calls: what one more
+    synchronisation adds to the largest rank's waits at the others, none of them its own)
+    with wait_mean_se_us (over calls), and with the work's starts work_to_last_us (per rank
+    from the start of its work to the last arrival, the mean: the work's share of the step,
+    the slowest rank's pace included)."""
     ranks, n = len(calls), min(len(c) for c in calls)
     idx = range(min(skip, n - 1), n)
     after, waits = [[] for _ in range(ranks)], [[] for _ in range(ranks)]
-    spread = []
+    spread, per_call, to_last = [], [], []
     for i in idx:
         last = max(c[i][0] for c in calls)
         done = max(c[i][1] for c in calls)
         for r, c in enumerate(calls):
-            start, end = c[i]
+            start, end, *work = c[i]
             after[r].append(end - max(last, start))
             waits[r].append(last - start)
             spread.append(done - end)
+            to_last.extend(last - w for w in work)
+        per_call.append(statistics.mean(last - c[i][0] for c in calls))
+    se = statistics.stdev(per_call) / len(per_call) ** 0.5 if len(per_call) >= 2 else 0.0
     return {"after_us": max(statistics.mean(a) for a in after) * 1e6,
             "exit_spread_us": statistics.mean(spread) * 1e6,
-            "wait_us": max(statistics.mean(w) for w in waits) * 1e6}
+            "wait_us": max(statistics.mean(w) for w in waits) * 1e6,
+            "wait_mean_us": statistics.mean(per_call) * 1e6, "wait_mean_se_us": se * 1e6,
+            **({"work_to_last_us": statistics.mean(to_last) * 1e6} if to_last else {})}
 
 
 def measure(world: int, collective: str, algorithm: str, nbytes: int, work_ms: float = WORK_MS,

@@ -227,7 +227,7 @@ def host_sample(world: int, modes: list[str], args: dict) -> dict:
     wanted = _predicted_modes(modes)
     return {"benches": [host_bench(world, c, names) for c, names in host_collectives(wanted).items()],
             "in_training": probe_in_training(world, wanted, largest_unit_bytes(args), ddp_bucket_bytes(args),
-                                             param_bytes(args))}
+                                             param_bytes(args), args.get("optimizer", "sgd"))}
 
 
 def pooled_samples(samples: list[dict]) -> tuple[list[dict], dict]:
@@ -256,8 +256,11 @@ def pooled_samples(samples: list[dict]) -> tuple[list[dict], dict]:
                 probes.setdefault(c, {}).setdefault(name, []).append(got)
     def pool(runs: list[dict]) -> dict:
         got = {k: v for k, v in runs[-1].items() if k != "reused"}
-        got.update({k: sum(g[k] for g in runs) / len(runs) for k in ("after_us", "exit_spread_us", "wait_us")},
+        figures = ("after_us", "exit_spread_us", "wait_us", "wait_mean_us", "work_to_last_us")
+        got.update({k: sum(g[k] for g in runs) / len(runs) for k in figures if all(k in g for g in runs)},
                    samples_after_us=[g["after_us"] for g in runs])
+        if all("wait_mean_se_us" in g for g in runs):  # the mean of independent samples' means
+            got["wait_mean_se_us"] = sum(g["wait_mean_se_us"] ** 2 for g in runs) ** 0.5 / len(runs)
         if all("reused" in g for g in runs):  # FSDP's calls into recycled buffers, pooled alike
             got["reused"] = pool([g["reused"] for g in runs])
         return got
@@ -314,7 +317,7 @@ def _ddp_all_reduces(modes: list[str]) -> list[str]:
 
 
 def probe_in_training(world: int, modes: list[str], nbytes: int = 16 << 20, ddp_bytes: int | None = None,
-                      params: list[int] | None = None) -> dict:
+                      params: list[int] | None = None, optimizer: str = "sgd") -> dict:
     """What this-host's modes need beyond the bench, each call made after compute as
     training makes it (measure.syncprobe): FSDP's all-gathers and reduce-scatters into
     fresh buffers at nbytes (compare: the model's largest unit, whose calls are most of
@@ -322,7 +325,8 @@ def probe_in_training(world: int, modes: list[str], nbytes: int = 16 << 20, ddp_
     DDP's bucket all-reduces in place at that size (what is left of them after backward
     is what the table's "after the last rank arrived" reads); with params (every
     parameter's bytes) and zero1 compared, ZeRO-1's broadcasts of them all, issued and
-    waited for together as torch's ZeroRedundancyOptimizer does. $COMMLAB_PROBE_REPS: calls
+    waited for together as torch's ZeroRedundancyOptimizer does, each rank's optimizer
+    stepping its own parameters before them (the wait at them). $COMMLAB_PROBE_REPS: calls
     per probe (default 12; the docs' examples, run to show they work, take fewer). FSDP's
     calls are probed in both of the allocator's states, the output mapped afresh and
     recycled: the second as the first's "reused"."""
@@ -337,7 +341,7 @@ def probe_in_training(world: int, modes: list[str], nbytes: int = 16 << 20, ddp_
     if params and "zero1" in modes:
         from commlab.training.predict.sharded import BROADCAST
 
-        calls.append((syncprobe.ZERO1, BROADCAST["cpu"], list(params)))
+        calls.append((syncprobe.ZERO1, BROADCAST["cpu"], list(params), optimizer))
     if calls:
         print("# predicting this-host: " + ", ".join(f"{c} {name}" + (f" ({s[0]})" if s else "")
                                                      for c, name, _, *s in calls)

@@ -1,8 +1,9 @@
 """ZeRO-1 and FSDP predicted, with compare's modes and keys.
 
 - `zero1`: DDP's buckets as `ddp` (all-reduced as gradients become ready), the
-  optimizer stepping 1/p of the parameters, then every parameter broadcast from the rank
-  that owns it (torch's ZeroRedundancyOptimizer: one broadcast per parameter, blocking).
+  optimizer stepping 1/p of the parameters (on this host as its probe timed every rank
+  stepping its own at once, the broadcasts waiting for the slowest), then every parameter
+  broadcast from the rank that owns it (torch's ZeroRedundancyOptimizer).
 - `fsdp`, `fsdp:<algorithm>`, `fsdp:noreshard`: FSDP2 with `fully_shard` per block and on
   the root. One schedule of a step: the root gathered first and kept to the end of
   backward; each block all-gathered before its forward (issued one block ahead where
@@ -241,6 +242,22 @@ def zero1_broadcasts_us(prof, p: int, params: list[float]) -> tuple[float, float
     return us, us * spread
 
 
+def zero1_optimizer_us(prof, p: int, opt_us: float) -> tuple[float, float, float | None]:
+    """(ZeRO-1's optimizer step on the step's critical path, µs; the wait it leaves at the
+    broadcasts after it, µs; that wait's standard error, ms): every rank steps its 1/p of
+    the parameters at once, lined up by the buckets' all-reduce, and the broadcasts wait
+    for the slowest. On this host as its probe (measure.syncprobe's ZeRO-1 phase with the
+    optimizer's step) timed that phase — where ranks outnumber cores the quarters finish
+    far apart, 2026-12-06: 112 to 845 ms within one step (docs/measurements.md); else
+    1/p of the optimizer, nobody waiting (a hardware profile: a device per rank)."""
+    from commlab.measure.syncprobe import OPTIMIZERS, ZERO1
+
+    got = prof.in_training.get(ZERO1, {}).get(BROADCAST[prof.device]) or {}
+    if got.get("state") not in OPTIMIZERS:  # probed after fixed work, not the step
+        return opt_us / p, 0.0, None
+    return got["work_to_last_us"], got["wait_mean_us"], got.get("wait_mean_se_us", 0.0) / 1e3
+
+
 def predict(mode: str, s, prof, steps) -> dict:
     from commlab.training.predict import model as M
 
@@ -262,17 +279,21 @@ def predict(mode: str, s, prof, steps) -> dict:
         # Every parameter broadcast from its owner after the step: one call each, blocking;
         # on this host as its probe of them all, issued and waited for together, timed them.
         bcast, spread = zero1_broadcasts_us(prof, p, st.params)
-        it = ddp_it - opt + opt / p + bcast
+        stepping, opt_wait, opt_se = zero1_optimizer_us(prof, p, opt)
+        it = ddp_it - opt + stepping + bcast
         # DDP's wait is the drift from one end of backward to the next, its optimizer step
-        # between; ZeRO-1's broadcasts line the ranks up after the optimizer: from the step's start.
+        # between; ZeRO-1's ranks drift from the step's start to the buckets, and again
+        # through their shards' optimizer step to the broadcasts, which line them up.
         ddp_waiting = ddp["grad_sync_ms"]["exposed"] * 1e3 - ddp["grad_sync_ms"]["after_arrival"] * 1e3
         wait_ms, wait_se = M.wait_charged(prof, "step_start")
-        waiting = wait_ms * 1e3 + spread if ddp_waiting else 0.0  # no buckets, no wait (as DDP's)
+        if opt_se is not None:
+            wait_se = ((wait_se or 0.0) ** 2 + opt_se ** 2) ** 0.5
+        waiting = wait_ms * 1e3 + opt_wait + spread if ddp_waiting else 0.0  # no buckets, no wait (as DDP's)
         total, exposed = ddp_total - ddp_waiting + waiting + bcast, ddp_exposed - ddp_waiting + waiting + bcast
         held = {"parameters": st.param_bytes, "gathered": 0.0, "gradients": st.param_bytes,
                 "optimizer_state": state / p, "buckets": st.param_bytes}
         comm = 2 * st.param_bytes
-        info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / p / 1e3,
+        info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": stepping / 1e3,
                 "broadcast_ms": bcast / 1e3, "per_device_batch": b, **M._micro(s)}
     else:
         drift, wait_se = M.wait_charged(prof, "fe" if mode == "fsdp:noreshard" else "fbe")
