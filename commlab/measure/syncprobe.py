@@ -155,7 +155,7 @@ def _caller(rank: int, world: int, collective: str, algorithm: str, size, state:
 
 
 def probe_rank(rank: int, world: int, probes: list[tuple[str, str, object]], matmuls: int,
-               reps: int = REPS) -> list[list[tuple[float, float]]]:
+               reps: int = REPS) -> list[list[tuple[float, float, float]]]:
     """One rank, for each (collective, algorithm, size[, state]) in turn: `reps` times the
     same work, then one call (_caller), timed from its start to its end; (start, end, the
     start of the work before it) of each call, per probe. ZeRO-1's broadcasts after an
@@ -187,8 +187,8 @@ def probe_rank(rank: int, world: int, probes: list[tuple[str, str, object]], mat
 def summarise(calls: list[list[tuple]], skip: int = SKIP) -> dict:
     """Every rank's (start, end[, start of its work]) per call, on one clock -> after_us,
     exit_spread_us, wait_us (per rank the mean over calls of its wait for the last arrival,
-    the largest rank's), wait_mean_us (that wait's mean over ranks and calls: what one more
-    synchronisation adds to the largest rank's waits at the others, none of them its own)
+    the largest rank's), wait_mean_us (that wait's mean over ranks and calls: what a second
+    synchronisation a step adds to the waits of whichever rank waits most at the first)
     with wait_mean_se_us (over calls), and with the work's starts work_to_last_us (per rank
     from the start of its work to the last arrival, the mean: the work's share of the step,
     the slowest rank's pace included)."""
