@@ -554,8 +554,8 @@ def test_this_host_prices_zero1s_broadcasts_as_its_probe_timed_them_together():
 
 def test_this_host_charges_zero1_the_wait_at_its_broadcasts_after_its_optimizer():
     """ZeRO-1's ranks, lined up by the buckets, step their quarters at once and the
-    broadcasts wait for the slowest: 4 ranks on 2 cores ended their quarters up to 300 ms
-    apart in one step and waited 43-199 ms a step there, which the prediction did not
+    broadcasts wait for the slowest: 4 ranks on 2 cores reached them 90 to 731 ms apart
+    (six runs' traces) and waited 43-288 ms a step there, which the prediction did not
     charge (ZeRO-1 under-predicted by 7-38 % in five runs, 2026-12-05/06). From the probe of that phase:
     the wait added to the drift before the buckets (± of both), the phase (the slowest
     rank's pace) in place of 1/p of the optimizer; a probe after fixed work, as before."""

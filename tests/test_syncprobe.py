@@ -183,9 +183,9 @@ def _zero1_steps(rank, world, sizes, optimizer):
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_zero1s_probe_steps_each_ranks_own_parameters_before_the_broadcasts(optimizer):
     """ZeRO-1's ranks step their own parameters at once (lined up by the buckets) and the
-    broadcasts wait for the slowest: 4 ranks on 2 cores ended their quarters of AdamW up
-    to 300 ms apart within one step (2026-12-06), a wait the probe after fixed work
-    never showed. With an optimizer named, each call follows that optimizer's step on the
+    broadcasts wait for the slowest: 4 ranks on 2 cores reached them 90 to 731 ms apart
+    after their quarters of AdamW (six runs' traces, 2026-12-06), a wait the probe after
+    fixed work never showed. With an optimizer named, each call follows that optimizer's step on the
     rank's own parameters, and that step is the work (no fixed work besides)."""
     from commlab.measure import launch
 
