@@ -121,6 +121,39 @@ def test_buckets_are_the_ones_ddps_reducer_rebuilds(name, cap):
     assert M.buckets(st.params, cap, order) == want
 
 
+def test_ddp_given_its_cap_makes_the_first_bucket_that_size_too(tmp_path):
+    """torch 2.14's DDP makes a 1 MiB first bucket only when bucket_cap_mb is left to its
+    default; given one (as compare always gives it) every bucket is that size. Predicted
+    with a 1 MiB first bucket, the 1024x8 transformer's last bucket (the one left after
+    backward) came out a small remainder where training's is a full 33.6 MB one: DDP's
+    part after the last arrival was predicted at 38-39 ms where three runs measured 78-85
+    (2026-12-06, eleven runs in a row under by half)."""
+    from torch.nn.parallel.distributed import _BucketCapacityConfig as Config
+
+    counts = {}
+    for given, cap in ((True, 25), (False, None)):
+        first = Config.create(cap, None, False).first_bucket_bytes_cap
+        s = M.Setup("transformer", world=4, batch_size=16, width=128, depth=2, bucket_cap_given=given)
+        st = M.Steps(s).at(4)
+        order = M.ready_order(st)
+        tensors = [torch.empty(st.params[i] // 4) for i in order]
+        want, _ = dist._compute_bucket_assignment_by_size(tensors, [first, 25 << 20], [False] * len(order), order)
+        row = M.predict(["ddp"], s, M.load_profile("rtx4090-pcie4"), M.Steps(s))[0]
+        assert row["breakdown"]["buckets"] == len(want), given
+        counts[given] = len(want)
+    assert counts[False] == counts[True] + 1  # this model: the 1 MiB first bucket is one more
+    # predict's --bucket-cap-mb says whether DDP was given it (compare's DDP always is).
+    from commlab.training.predict import cli as pcli
+
+    for argv, given in (([], False), (["--bucket-cap-mb", "25"], True)):
+        out = tmp_path / "p.json"
+        pcli.main(["--hardware", "rtx4090-pcie4", "--gpus", "4", "--model", "transformer", "--width", "128",
+                   "--depth", "2", "--batch-size", "16", "--modes", "ddp", "--json", str(out), *argv])
+        doc = json.loads(out.read_text())
+        assert doc["env"]["bucket_cap_mb"] == 25.0
+        assert doc["modes"][0]["breakdown"]["buckets"] == counts[given], argv
+
+
 def test_a_profile_prices_compute_and_links_from_its_own_numbers():
     prof = M.load_profile("rtx4090-pcie4")
     s = M.Setup("mlp", world=4, batch_size=256, width=1024, depth=4)

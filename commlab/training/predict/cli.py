@@ -42,7 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=256, help="global batch")
-    ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    ap.add_argument("--bucket-cap-mb", type=float, default=None,
+                    help="what DDP is given (its first bucket that size too, as torch makes it); default: DDP's own, "
+                         "25 MiB after a 1 MiB first bucket")
     ap.add_argument("--amp", choices=["fp16", "bf16"], default=None)
     ap.add_argument("--checkpoint", action="store_true")
     ap.add_argument("--accum-steps", type=int, default=1,
@@ -61,7 +63,10 @@ def main(argv=None) -> int:
         ap.error(str(e))
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     optimizer = a.optimizer or ("adamw" if any(sharded.is_sharded(m) for m in modes) else "sgd")
-    s = M.Setup(model=a.model, world=a.gpus, batch_size=a.batch_size, bucket_cap_mb=a.bucket_cap_mb, amp=a.amp,
+    given = a.bucket_cap_mb is not None
+    a.bucket_cap_mb = a.bucket_cap_mb if given else M.Setup.bucket_cap_mb
+    s = M.Setup(model=a.model, world=a.gpus, batch_size=a.batch_size, bucket_cap_mb=a.bucket_cap_mb,
+                bucket_cap_given=given, amp=a.amp,
                 checkpoint=a.checkpoint, width=a.width, depth=a.depth, optimizer=optimizer, accum_steps=a.accum_steps)
     if a.accum_steps < 1:
         ap.error("--accum-steps must be at least 1")

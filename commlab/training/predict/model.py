@@ -107,6 +107,9 @@ class Setup:
     world: int
     batch_size: int  # global
     bucket_cap_mb: float = 25.0
+    # DDP given bucket_cap_mb (compare always gives it) makes its first bucket that size too
+    # (torch's _BucketCapacityConfig); left to its default, the first is 1 MiB.
+    bucket_cap_given: bool = False
     amp: str | None = None
     checkpoint: bool = False
     width: int = 1024
@@ -254,16 +257,18 @@ def allreduce_us(prof: Profile, algorithm: str, p: int, nbytes: float) -> float:
     return collective_us(prof, "all_reduce", algorithm, p, nbytes)
 
 
-def buckets(params: list[int], cap_mb: float, order: list[int] | None = None) -> list[list[int]]:
+def buckets(params: list[int], cap_mb: float, order: list[int] | None = None,
+            first_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:
     """DDP's buckets after its first iteration (the reducer rebuilds them in the order
     gradients became ready): filled in `order` (default: reverse parameter order), a
-    bucket closed once it reaches its limit, 1 MiB for the first, bucket_cap_mb after
-    (torch's compute_bucket_assignment_by_size)."""
+    bucket closed once it reaches its limit, first_bytes for the first (1 MiB: DDP's
+    default; the cap where DDP was given one, see Setup), bucket_cap_mb after (torch's
+    compute_bucket_assignment_by_size)."""
     out, cur, size = [], [], 0
     for i in (order if order is not None else reversed(range(len(params)))):
         cur.append(i)
         size += params[i]
-        if size >= (FIRST_BUCKET_BYTES if not out else cap_mb * 2**20):
+        if size >= (first_bytes if not out else cap_mb * 2**20):
             out.append(cur)
             cur, size = [], 0
     if cur:
@@ -325,7 +330,8 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
         done.append(done[-1] + x)
     algorithm = "builtin" if mode == "ddp" else mode.split(":", 1)[1] if mode.startswith("ddp:") else None
     total = exposed = waiting = slowed = exit_spread = 0.0
-    bks = buckets(st.params, s.bucket_cap_mb, ready_order(st)) if algorithm not in (None, "noop") else []
+    first = int(s.bucket_cap_mb * 2**20) if s.bucket_cap_given else FIRST_BUCKET_BYTES
+    bks = buckets(st.params, s.bucket_cap_mb, ready_order(st), first) if algorithm not in (None, "noop") else []
     if bks:
         ready = [max(done[st.grad_ready[i]] for i in bk) for bk in bks]
         costs = [allreduce_us(prof, algorithm, p, sum(st.params[i] for i in bk)) for bk in bks]  # fp32 grads
