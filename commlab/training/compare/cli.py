@@ -162,7 +162,8 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
     from commlab.training.predict import model as M
 
     s = M.Setup(model=args["model"], world=world, batch_size=args["batch_size"], bucket_cap_mb=args["bucket_cap_mb"],
-                bucket_cap_given=True, amp=args["amp"], checkpoint=args["checkpoint"], optimizer=args.get("optimizer", "sgd"),
+                bucket_cap_given=True,  # compare's DDP is always given its cap
+                amp=args["amp"], checkpoint=args["checkpoint"], optimizer=args.get("optimizer", "sgd"),
                 accum_steps=args.get("accum_steps", 1), **workloads.options(args))
     wanted = _predicted_modes(modes)
     if profile == "this-host":
