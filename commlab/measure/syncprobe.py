@@ -91,6 +91,12 @@ ZERO1 = "zero1_broadcasts"  # ZeRO-1's step end: every parameter broadcast from 
 OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD"}
 
 
+def _steps_optimizer(collective: str, state: str) -> bool:
+    """Whether a probe is ZeRO-1's broadcasts after an optimizer's step (the optimizer named
+    as its state): that step is then the call's work, no fixed work besides."""
+    return collective == ZERO1 and state in OPTIMIZERS
+
+
 def zero1_owners(sizes: list[int], world: int) -> list[list[int]]:
     """Which parameters (indices into sizes) each rank owns, in the order it broadcasts
     them, as torch's ZeroRedundancyOptimizer partitions them: largest first, each to the
@@ -123,7 +129,7 @@ def _caller(rank: int, world: int, collective: str, algorithm: str, size, state:
         owners = zero1_owners(size, world)
         order = [(src, params[i]) for src, idx in enumerate(owners) for i in idx]
         step = lambda: None  # noqa: E731
-        if state in OPTIMIZERS:
+        if _steps_optimizer(collective, state):
             own = [params[i] for i in owners[rank]]
             for t in own:
                 t.grad = torch.full_like(t, 1e-3)  # DDP's averaged gradients, left in place by the broadcasts
@@ -167,7 +173,7 @@ def probe_rank(rank: int, world: int, probes: list[tuple[str, str, object]], mat
     out_calls = []
     for collective, algorithm, size, *state in probes:
         prepare = _caller(rank, world, collective, algorithm, size, *state)
-        work = 0 if collective == ZERO1 and state and state[0] in OPTIMIZERS else matmuls
+        work = 0 if _steps_optimizer(collective, state[0] if state else FRESH) else matmuls
         calls = []
         dist.barrier()
         for _ in range(reps):
@@ -195,7 +201,7 @@ def summarise(calls: list[list[tuple]], skip: int = SKIP) -> dict:
     ranks, n = len(calls), min(len(c) for c in calls)
     idx = range(min(skip, n - 1), n)
     after, waits = [[] for _ in range(ranks)], [[] for _ in range(ranks)]
-    spread, per_call, to_last = [], [], []
+    spread, to_last = [], []
     for i in idx:
         last = max(c[i][0] for c in calls)
         done = max(c[i][1] for c in calls)
@@ -205,7 +211,7 @@ def summarise(calls: list[list[tuple]], skip: int = SKIP) -> dict:
             waits[r].append(last - start)
             spread.append(done - end)
             to_last.extend(last - w for w in work)
-        per_call.append(statistics.mean(last - c[i][0] for c in calls))
+    per_call = [statistics.mean(w[j] for w in waits) for j in range(len(idx))]  # each call's mean wait
     se = statistics.stdev(per_call) / len(per_call) ** 0.5 if len(per_call) >= 2 else 0.0
     return {"after_us": max(statistics.mean(a) for a in after) * 1e6,
             "exit_spread_us": statistics.mean(spread) * 1e6,
