@@ -323,3 +323,60 @@ def test_a_group_whose_transfer_failed_refuses_reuse():
     assert r0["retry"][:2] == r0["first"][:2], r0  # the group's failure again, the same error and text
     assert r0["retry"][2] < 0.5, r0  # refused at once, nothing posted
     assert r1["first"][0] == "PeerError", r1  # the late rank finds no partner: an error, never a pairing
+
+
+_ORPHAN_PARENT = """
+import sys, time
+from commlab.measure.launch import RankPool
+
+
+def block(rank, world):
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    pool = RankPool(2, backend=None)
+    pool.submit(block)
+    print(pool.pid(0), pool.pid(1), pool._dir, flush=True)
+    time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
+def test_ranks_end_when_the_process_that_started_them_dies(tmp_path, signal_name):
+    """A compare run or test session killed (a scheduler's SIGTERM, an OOM killer's SIGKILL)
+    must not leave its ranks training on for minutes, nor their working directory."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(_ORPHAN_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        first, second, workdir = parent.stdout.readline().split()
+        ranks = [int(first), int(second)]
+        assert not any(_gone(p) for p in ranks)
+        parent.send_signal(getattr(signal, signal_name))
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while not all(_gone(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = [p for p in ranks if not _gone(p)]
+        assert not alive, f"ranks {alive} outlived the process that started them"
+        assert not os.path.exists(workdir), f"{workdir} left behind"
+    finally:
+        parent.kill()
+        for p in ranks if "ranks" in locals() else []:
+            try:
+                os.kill(p, 9)
+            except ProcessLookupError:
+                pass

@@ -430,7 +430,7 @@ for target, inherited in zip((1, 2), stdio):
     os.dup2(fd, target)
     os.close(fd)
 from commlab.measure.launch import _rank_main
-_rank_main(*args)
+_rank_main(*args, lifeline=lifeline[0].detach())
 """
 
 
@@ -445,6 +445,37 @@ class _Stdio:
         return tuple, ((reduction.DupFd(1), reduction.DupFd(2)),)
 
 
+class _Lifeline:
+    """The read end of a pipe whose only writer is the process that started the pool: it
+    reads end-of-file when that process is gone, however it died. (Not the parent pid:
+    a rank's parent is the fork server, which every rank keeps alive.) Pickled, like
+    _Stdio, as a plain 1-tuple of the descriptor the started process receives."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return tuple, ((reduction.DupFd(self.fd),),)
+
+
+def _watch_lifeline(fd: int, rank: int, workdir: str) -> None:
+    """Ends this rank once the process that started it is gone: killed (a scheduler's
+    SIGTERM, the OOM killer), it cannot tell its ranks, which would otherwise train on for
+    minutes with nobody to report to, holding their working directory."""
+    import shutil
+
+    try:
+        while os.read(fd, 1):
+            pass
+    except OSError:
+        pass
+    shutil.rmtree(workdir, ignore_errors=True)
+    os.write(2, f"commlab: rank {rank}: the process that started it is gone; exiting\n".encode())
+    os._exit(1)
+
+
 def _context():
     import multiprocessing as mp
 
@@ -454,10 +485,14 @@ def _context():
 
 
 def _rank_main(rank: int, world_size: int, workdir: str, port: int, backend: str | None, pg_timeout_s: float,
-               threads: int, inq, outq) -> None:
+               threads: int, inq, outq, lifeline: int) -> None:
     import faulthandler
     import signal
+    import threading
     import traceback
+
+    threading.Thread(target=_watch_lifeline, args=(lifeline, rank, workdir), daemon=True,
+                     name="commlab-lifeline").start()
 
     # A rank that never answers is asked for its stacks (SIGUSR1) before it is killed.
     faulthandler.register(signal.SIGUSR1, file=open(_stacks_path(workdir, rank), "w"), all_threads=True)
@@ -510,18 +545,20 @@ class RankPool:
         ctx = _context()
         self._inq = {r: ctx.Queue() for r in self._ranks}
         self._outq = ctx.Queue()
+        life_r, self._lifeline = os.pipe()  # this process alone holds the write end
         common = dict(os.environ, **(env or {}), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self._port),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), COMMLAB_SPAWNED="1")
         common.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self._procs = {
             r: ctx.Process(target=exec, args=(_BOOT, {
-                "env": dict(common, RANK=str(r), LOCAL_RANK=str(r)), "stdio": _Stdio(),
+                "env": dict(common, RANK=str(r), LOCAL_RANK=str(r)), "stdio": _Stdio(), "lifeline": _Lifeline(life_r),
                 "args": (r, world_size, self._dir, self._port, backend, pg_timeout_s, threads, self._inq[r],
                          self._outq)}), daemon=True, name=f"commlab-rank{r}")
             for r in self._ranks
         }
         for p in self._procs.values():
             p.start()
+        os.close(life_r)
         self._start_timeout_s = start_timeout_s
         if len(self._ranks) == world_size:
             self._collect("start", start_timeout_s, expect="ready")
@@ -636,6 +673,7 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        os.close(self._lifeline)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
