@@ -744,3 +744,56 @@ def test_compare_samples_the_host_after_the_first_compute_only_step_and_after_th
     cli.main(["--device", "cpu", "--world-size", "2", "--modes", "ddp:noop", "--model", "mlp", "--width", "16",
               "--depth", "2", "--batch-size", "4", "--predict", "this-host"])
     assert events == ["ddp:noop", "sample", "ddp:noop", "sample"], events
+
+
+def test_compare_samples_the_host_in_the_middle_of_a_long_comparison_too(monkeypatch):
+    """Two samples' mean carries half of one slow moment into every mode (2026-12-06: the
+    first probe of the issue's five modes read every FSDP call 45 % slower than the last,
+    and FSDP's three modes were predicted 25-28 % high); with a third taken between the
+    modes, one slow moment is outvoted."""
+    from commlab.training.compare import cli
+
+    events = []
+
+    def run_mode(mode, world, args):
+        events.append(mode)
+        return {"mode": mode, "status": "ok", "iteration_ms": [10.0, 11.0], "iter_ms": {"median": 10.5, "p90": 11.0},
+                "arrival_skew_ms": 1.0, "unit_waits_ms": {}, "wait_se_ms": {}, "grad_sync_ms": {"total": 0.0,
+                "exposed": 0.0, "after_arrival": 0.0}, "samples_per_s": 1.0, "peak_memory_mb": [1.0] * 2,
+                "util_percent": [1.0] * 2, "final_loss": 0.0}
+
+    monkeypatch.setattr(cli, "run_mode", run_mode)
+    monkeypatch.setattr(cli, "host_sample", lambda world, modes, args: events.append("sample")
+                        or {"benches": [], "in_training": {}})
+    monkeypatch.setattr(cli, "predicted", lambda *a, **k: [])
+    common = ["--device", "cpu", "--world-size", "2", "--model", "mlp", "--width", "16", "--depth", "2",
+              "--batch-size", "4", "--predict", "this-host"]
+    cli.main(common + ["--modes", "ddp,zero1,fsdp,fsdp:shm,fsdp:noreshard"])
+    assert events == ["ddp:noop", "sample", "ddp", "zero1", "fsdp", "sample", "fsdp:shm", "fsdp:noreshard",
+                      "ddp:noop"], events
+    events.clear()
+    cli.main(common + ["--modes", "ddp,zero1"])
+    assert events == ["ddp:noop", "sample", "ddp", "sample", "zero1", "ddp:noop"], events
+    events.clear()
+    cli.main(common + ["--modes", "ddp"])  # the last sample would follow the middle one at once
+    assert events == ["ddp:noop", "sample", "ddp", "ddp:noop"], events
+
+
+def test_this_host_pools_three_samples_by_their_median():
+    from commlab.training.compare import cli
+
+    def sample(t, after, wait):
+        bench = {"collective": "all_gather", "env": {"world_size": 4, "gamma_us_per_byte": t / 10},
+                 "results": [{"algorithm": "builtin", "bytes": 4096, "time_us": t}]}
+        probe = {"all_gather": {"builtin": {"after_us": after, "exit_spread_us": after / 10, "wait_us": wait,
+                                            "bytes": 1 << 20, "reused": {"after_us": after / 2, "wait_us": wait}}}}
+        return {"benches": [bench], "in_training": probe}
+
+    slow, usual, later = sample(300.0, 205.0, 30.0), sample(100.0, 140.0, 10.0), sample(110.0, 142.0, 12.0)
+    benches, probes = cli.pooled_samples([slow, usual, later])
+    assert benches[0]["results"][0]["time_us"] == 110.0 and benches[0]["results"][0]["samples"] == 3
+    assert benches[0]["env"]["gamma_us_per_byte"] == pytest.approx(11.0)
+    got = probes["all_gather"]["builtin"]
+    assert (got["after_us"], got["exit_spread_us"], got["wait_us"]) == (142.0, 14.2, 12.0)
+    assert got["reused"]["after_us"] == 71.0
+    assert got["samples_after_us"] == [205.0, 140.0, 142.0]

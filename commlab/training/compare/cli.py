@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import re
+import statistics
 import sys
 
 import torch
@@ -222,19 +223,30 @@ def host_sample(world: int, modes: list[str], args: dict) -> dict:
     """What this-host is fitted to besides the compute-only step, measured once: a bench
     of each collective the modes call, and the probes of their calls made after compute
     (probe_in_training: FSDP's, DDP's buckets, ZeRO-1's broadcasts). Taken
-    first and last in a comparison and pooled, as the compute-only step is: one sample
-    read the machine's phase at one moment (a probe at 19:59 put gloo's reduce-scatter at
-    170 ms where one an hour earlier read 125) and carried it into every mode."""
+    first, in the middle of a comparison of several modes (_sample_after) and last, and
+    pooled by the median: one sample read the machine's phase at one moment (a probe at
+    19:59 put gloo's reduce-scatter at 170 ms where one an hour earlier read 125) and
+    carried it into every mode."""
     wanted = _predicted_modes(modes)
     return {"benches": [host_bench(world, c, names) for c, names in host_collectives(wanted).items()],
             "in_training": probe_in_training(world, wanted, largest_unit_bytes(args), ddp_bucket_bytes(args),
                                              param_bytes(args), args.get("optimizer", "sgd"))}
 
 
+def _sample_after(runs: int) -> tuple[int, ...]:
+    """After which of this-host's `runs` measured runs (the compute-only step first and
+    last, the modes between) compare samples the host, besides after the last: after the
+    first, and after the middle one where it is not next to the last (one slow moment in
+    two samples moved every mode's price by half of it; of three, the median outvotes it)."""
+    middle = (runs - 1) // 2
+    return (0, middle) if 0 < middle < runs - 2 else (0,)
+
+
 def pooled_samples(samples: list[dict]) -> tuple[list[dict], dict]:
     """host_sample()s pooled: (one bench per collective, each (algorithm, size)'s time the
-    mean over the samples that timed it; the probes, each figure the mean over samples,
-    with every sample's after_us kept to show how far they moved)."""
+    median over the samples that timed it (of two, their mean); the probes, each figure
+    the median over samples, with every sample's after_us kept to show how far they
+    moved)."""
     benches: dict[str, dict] = {}
     for sample in samples:
         for b in sample["benches"]:
@@ -247,8 +259,8 @@ def pooled_samples(samples: list[dict]) -> tuple[list[dict], dict]:
     out = []
     for b in benches.values():
         times, gammas = b.pop("_times"), b.pop("_gammas")
-        b["results"] = [dict(r, time_us=sum(ts) / len(ts), samples=len(ts)) for r, ts in times.values()]
-        b["env"] = dict(b["env"], **({"gamma_us_per_byte": sum(gammas) / len(gammas)} if gammas else {}))
+        b["results"] = [dict(r, time_us=statistics.median(ts), samples=len(ts)) for r, ts in times.values()]
+        b["env"] = dict(b["env"], **({"gamma_us_per_byte": statistics.median(gammas)} if gammas else {}))
         out.append(b)
     probes: dict = {}
     for sample in samples:
@@ -258,9 +270,9 @@ def pooled_samples(samples: list[dict]) -> tuple[list[dict], dict]:
     def pool(runs: list[dict]) -> dict:
         got = {k: v for k, v in runs[-1].items() if k != "reused"}
         figures = ("after_us", "exit_spread_us", "wait_us", "wait_mean_us", "work_to_last_us")
-        got.update({k: sum(g[k] for g in runs) / len(runs) for k in figures if all(k in g for g in runs)},
+        got.update({k: statistics.median(g[k] for g in runs) for k in figures if all(k in g for g in runs)},
                    samples_after_us=[g["after_us"] for g in runs])
-        if all("wait_mean_se_us" in g for g in runs):  # the mean of independent samples' means
+        if all("wait_mean_se_us" in g for g in runs):  # as of the mean of independent samples' means
             got["wait_mean_se_us"] = sum(g["wait_mean_se_us"] ** 2 for g in runs) ** 0.5 / len(runs)
         if all("reused" in g for g in runs):  # FSDP's calls into recycled buffers, pooled alike
             got["reused"] = pool([g["reused"] for g in runs])
@@ -497,8 +509,8 @@ def main(argv=None) -> int:
             if a.find_max_batch and res["status"] in ("ok", "oom"):
                 res["max_batch"], res["max_batch_probes"] = search.find_max_batch(mode, world, margs, run_mode)
             results.append(res)
-        if a.predict == "this-host" and n == 0 and results[-1]["status"] == "ok":  # the second: in predicted
-            samples.append(host_sample(world, modes, args))
+        if a.predict == "this-host" and n in _sample_after(len(modes)) and results[-1]["status"] == "ok":
+            samples.append(host_sample(world, modes, args))  # the last: in predicted
     if a.predict:
         results += predicted(a.predict, modes, results, args, world, samples)
     doc = {"env": env, "modes": results}
