@@ -361,9 +361,10 @@ def test_ranks_end_when_the_process_that_started_them_dies(tmp_path, signal_name
     script = tmp_path / "parent.py"
     script.write_text(_ORPHAN_PARENT)
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    ranks = []
     try:
         first, second, workdir = parent.stdout.readline().split()
-        ranks = [int(first), int(second)]
+        ranks += [int(first), int(second)]
         assert not any(_gone(p) for p in ranks)
         parent.send_signal(getattr(signal, signal_name))
         parent.wait(10)
@@ -375,7 +376,9 @@ def test_ranks_end_when_the_process_that_started_them_dies(tmp_path, signal_name
         assert not os.path.exists(workdir), f"{workdir} left behind"
     finally:
         parent.kill()
-        for p in ranks if "ranks" in locals() else []:
+        parent.wait()
+        parent.stdout.close()
+        for p in ranks:  # a failed test leaves nothing running
             try:
                 os.kill(p, 9)
             except ProcessLookupError:
