@@ -726,9 +726,8 @@ def test_this_host_pools_the_bench_and_probe_taken_first_and_last():
     assert {(r["algorithm"], r["bytes"]): r["time_us"] for r in benches[0]["results"]}[("ring", 8)] == 9.0
 
 
-def test_compare_samples_the_host_after_the_first_compute_only_step_and_after_the_last(monkeypatch):
-    from commlab.training.compare import cli
-
+def _record_runs_and_samples(monkeypatch, cli) -> list:
+    """compare's modes and host samples faked: the order they were run in, as a list."""
     events = []
 
     def run_mode(mode, world, args):
@@ -741,6 +740,13 @@ def test_compare_samples_the_host_after_the_first_compute_only_step_and_after_th
     monkeypatch.setattr(cli, "run_mode", run_mode)
     monkeypatch.setattr(cli, "host_sample", lambda world, modes, args: events.append("sample")
                         or {"benches": [], "in_training": {}})
+    return events
+
+
+def test_compare_samples_the_host_after_the_first_compute_only_step_and_after_the_last(monkeypatch):
+    from commlab.training.compare import cli
+
+    events = _record_runs_and_samples(monkeypatch, cli)
     cli.main(["--device", "cpu", "--world-size", "2", "--modes", "ddp:noop", "--model", "mlp", "--width", "16",
               "--depth", "2", "--batch-size", "4", "--predict", "this-host"])
     assert events == ["ddp:noop", "sample", "ddp:noop", "sample"], events
@@ -753,18 +759,7 @@ def test_compare_samples_the_host_in_the_middle_of_a_long_comparison_too(monkeyp
     modes, one slow moment is outvoted."""
     from commlab.training.compare import cli
 
-    events = []
-
-    def run_mode(mode, world, args):
-        events.append(mode)
-        return {"mode": mode, "status": "ok", "iteration_ms": [10.0, 11.0], "iter_ms": {"median": 10.5, "p90": 11.0},
-                "arrival_skew_ms": 1.0, "unit_waits_ms": {}, "wait_se_ms": {}, "grad_sync_ms": {"total": 0.0,
-                "exposed": 0.0, "after_arrival": 0.0}, "samples_per_s": 1.0, "peak_memory_mb": [1.0] * 2,
-                "util_percent": [1.0] * 2, "final_loss": 0.0}
-
-    monkeypatch.setattr(cli, "run_mode", run_mode)
-    monkeypatch.setattr(cli, "host_sample", lambda world, modes, args: events.append("sample")
-                        or {"benches": [], "in_training": {}})
+    events = _record_runs_and_samples(monkeypatch, cli)
     monkeypatch.setattr(cli, "predicted", lambda *a, **k: [])
     common = ["--device", "cpu", "--world-size", "2", "--model", "mlp", "--width", "16", "--depth", "2",
               "--batch-size", "4", "--predict", "this-host"]
