@@ -55,7 +55,7 @@ def test_compare_cpu_modes(tmp_path, extra):
             # so is how far apart the ranks leave the buckets after backward (the probe's exit spread).
             sync = pred[name]["grad_sync_ms"]
             probe = pred[name]["profile"]["in_training"]["all_reduce"]["builtin" if name == "ddp" else name[4:]]
-            assert len(probe["samples_after_us"]) == 2  # probed first and last
+            assert len(probe["samples_after_us"]) == 3  # probed first, after the middle mode and last
             assert sync["exposed"] - sync["after_arrival"] == pytest.approx(
                 sum(m["arrival_skew_ms"] for m in noops) / 2 + sync["after_arrival"] * probe["exit_spread_us"]
                 / probe["after_us"])
