@@ -792,3 +792,119 @@ def test_this_host_pools_three_samples_by_their_median():
     assert (got["after_us"], got["exit_spread_us"], got["wait_us"]) == (142.0, 14.2, 12.0)
     assert got["reused"]["after_us"] == 71.0
     assert got["samples_after_us"] == [205.0, 140.0, 142.0]
+
+
+def test_compare_repeats_every_mode_in_rounds(monkeypatch):
+    """The steps' ± does not cover how far whole runs differ (2026-12-06: DDP's wait for the
+    last rank 406 and 807 ms a step in two runs of the same command, −2.8 σ apart):
+    --repeat R runs every mode R times in fresh processes, in rounds, so a slow phase of the
+    machine falls on every mode alike, and shows one column per mode."""
+    from commlab.training.compare import cli
+
+    events = _record_runs_and_samples(monkeypatch, cli)
+    monkeypatch.setattr(cli, "predicted", lambda *a, **k: [])
+    common = ["--device", "cpu", "--world-size", "2", "--model", "mlp", "--width", "16", "--depth", "2",
+              "--batch-size", "4", "--modes", "ddp,zero1", "--repeat", "2"]
+    docs = []
+    monkeypatch.setattr(cli.report, "table", lambda doc: docs.append(doc) or "")
+    cli.main(common)
+    assert events == ["ddp", "zero1", "ddp", "zero1"], events
+    assert [m["mode"] for m in docs[-1]["modes"]] == ["ddp", "zero1"]
+    assert [m["runs"] for m in docs[-1]["modes"]] == [2, 2]
+    events.clear()
+    cli.main(common + ["--predict", "this-host"])  # the compute-only step in every round and once more at the end
+    assert events == ["ddp:noop", "sample", "ddp", "zero1", "ddp:noop", "sample", "ddp", "zero1", "ddp:noop"], events
+    assert [(m["mode"], m["runs"]) for m in docs[-1]["modes"]] == [("ddp:noop", 3), ("ddp", 2), ("zero1", 2)]
+
+
+def test_repeated_runs_pool_into_one_column_whose_plus_minus_is_run_to_run():
+    from commlab.training.compare import report
+
+    def run(its, exposed, after, mem, status="ok"):
+        return {"mode": "ddp", "status": status, "reason": "" if status == "ok" else "rank 1: boom",
+                "iter_ms": report.iteration_summary([t / 1e3 for t in its]), "iteration_ms": its,
+                "samples_per_s": 64 / (sorted(its)[len(its) // 2] / 1e3), "peak_memory_mb": mem,
+                "util_percent": [50.0, 40.0], "final_loss": 1.5, "tensor_mb": 10.0, "comm_mb": 4.0,
+                "grad_sync_ms": {"total": 2 * exposed, "exposed": exposed, "after_arrival": after,
+                                 "exposed_se": 1.0}}
+
+    rows = [run([100.0, 110.0, 120.0], 40.0, 10.0, [5.0, 7.0]), run([200.0, 210.0, 220.0], 80.0, 20.0, [6.0, 6.0]),
+            run([150.0, 160.0, 170.0], 60.0, 30.0, [4.0, 8.0])]
+    got = report.pool_runs(rows)
+    assert got["runs"] == 3 and got["status"] == "ok"
+    assert got["iteration_ms"] == [100.0, 110.0, 120.0, 200.0, 210.0, 220.0, 150.0, 160.0, 170.0]
+    assert got["iter_ms"]["median"] == pytest.approx(160.0)
+    assert got["samples_per_s"] == pytest.approx(64 / 0.160)
+    assert got["peak_memory_mb"] == [6.0, 8.0]
+    sync = got["grad_sync_ms"]
+    assert sync["exposed"] == pytest.approx(60.0) and sync["after_arrival"] == pytest.approx(20.0)
+    assert sync["total"] == pytest.approx(120.0)
+    # The runs' means scatter by 20 ms: the pooled mean's standard error is 20 / √3, not the steps' 1 ms.
+    assert sync["exposed_se"] == pytest.approx(20.0 / 3 ** 0.5)
+    assert sync["exposed_runs"] == [40.0, 80.0, 60.0]
+    # A run that failed is the column's outcome, with which run it was.
+    bad = report.pool_runs(rows[:1] + [run([1.0], 0.0, 0.0, [1.0, 1.0], status="error")])
+    assert bad["status"] == "error" and bad["reason"] == "run 2 of 2: rank 1: boom"
+
+
+def test_the_predicted_waits_plus_minus_is_run_to_run_where_the_compute_only_step_ran_three_times():
+    """--repeat runs ddp:noop in every round: where three runs or more give a wait, its
+    predicted ± is the larger of the steps' (pooled) and the runs' spread (their means'
+    standard error), which on shared cores is the larger (whole runs differ more)."""
+    from commlab.training.compare import cli
+
+    def noop(skew, fbe):
+        return {"mode": "ddp:noop", "status": "ok", "iteration_ms": [100.0, 110.0], "arrival_skew_ms": skew,
+                "optimizer_ms": 10.0, "unit_waits_ms": {"fbe": fbe, "step_start": 5.0},
+                "wait_se_ms": {"step": 1.0, "fbe": 1.0, "step_start": 100.0}}
+
+    got = cli.compute_step([noop(30.0, 300.0), noop(90.0, 330.0), noop(60.0, 360.0)])
+    assert got["arrival_skew_ms"] == pytest.approx(60.0)
+    assert got["wait_se_ms"]["step"] == pytest.approx(30.0 / 3 ** 0.5)
+    assert got["wait_se_ms"]["fbe"] == pytest.approx(30.0 / 3 ** 0.5)
+    # The steps' pooled ± where it is the larger: sqrt(3 * (100 * 2)²) / 6.
+    assert got["wait_se_ms"]["step_start"] == pytest.approx((3 * 200.0 ** 2) ** 0.5 / 6)
+    # Two runs (this-host's first and last): the steps' alone, as before.
+    two = cli.compute_step([noop(30.0, 300.0), noop(90.0, 330.0)])
+    assert two["wait_se_ms"]["step"] == pytest.approx((2 * 2.0 ** 2) ** 0.5 / 4)
+
+
+@pytest.mark.slow
+def test_compare_repeat_runs_and_pools_end_to_end(tmp_path):
+    out, traces = tmp_path / "c.json", tmp_path / "t"
+    cmd = [sys.executable, "-m", "commlab.compare", "--device", "cpu", "--world-size", "2", "--modes", "ddp",
+           "--model", "mlp", "--width", "64", "--depth", "3", "--batch-size", "16", "--iters", "3", "--warmup", "1",
+           "--bucket-cap-mb", "0.01", "--repeat", "2", "--predict", "this-host", "--trace", str(traces),
+           "--json", str(out)]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", COMMLAB_PROBE_REPS="4", COMMLAB_BENCH_BUDGET="0.02")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["env"]["repeat"] == 2
+    measured = {m["mode"]: m for m in doc["modes"] if not m.get("predicted")}
+    assert {k: m["runs"] for k, m in measured.items()} == {"ddp:noop": 3, "ddp": 2}
+    ddp = measured["ddp"]
+    assert len(ddp["iteration_ms"]) == 6 and len(ddp["grad_sync_ms"]["exposed_runs"]) == 2
+    assert ddp["grad_sync_ms"]["exposed"] == pytest.approx(sum(ddp["grad_sync_ms"]["exposed_runs"]) / 2)
+    pred = {m["mode"]: m for m in doc["modes"] if m.get("predicted")}
+    assert pred["ddp"]["status"] == "ok" and pred["ddp"]["grad_sync_ms"]["exposed_se"] >= 0
+    assert sorted(f for f in os.listdir(traces) if f.endswith(".json")) == sorted(
+        f"{m}_run_{k}.json" for m in ("ddp", "ddp:noop") for k in ((1, 2) if m == "ddp" else (1, 2, 3)))
+    assert " σ)" in proc.stdout  # the predicted column against the one pooled measured column
+
+
+def test_repeated_compute_only_runs_pool_their_waits_and_keep_every_run():
+    from commlab.training.compare import report
+
+    def run(skew, fbe, ends):
+        return {"mode": "ddp:noop", "status": "ok", "reason": "", "iter_ms": {"median": 10.0, "p90": 11.0},
+                "iteration_ms": [10.0, 11.0], "samples_per_s": 1.0, "peak_memory_mb": [1.0], "util_percent": [50.0],
+                "grad_sync_ms": {"total": 0.0, "exposed": 0.0, "after_arrival": 0.0}, "arrival_skew_ms": skew,
+                "backward_end_ms": ends, "unit_waits_ms": {"fbe": fbe}, "wait_se_ms": {"step": 1.0},
+                "trace": {"json": f"t{skew}"}}
+
+    got = report.pool_runs([run(30.0, 300.0, [8.0, 9.0]), run(90.0, 500.0, [7.0, 9.5])])
+    assert got["arrival_skew_ms"] == pytest.approx(60.0) and got["unit_waits_ms"] == {"fbe": pytest.approx(400.0)}
+    assert got["backward_end_ms"] == [8.0, 9.0, 7.0, 9.5] and "wait_se_ms" not in got
+    assert got["trace"] == [{"json": "t30.0"}, {"json": "t90.0"}]
+    assert [r["arrival_skew_ms"] for r in got["per_run"]] == [30.0, 90.0]

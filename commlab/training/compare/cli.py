@@ -188,10 +188,11 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
 
 def compute_step(measured: list[dict]) -> dict | None:
     """this-host's compute-only step from every ddp:noop run of the comparison (the first
-    and the last mode: the host's cores drift apart differently from minute to minute, so
-    one run in a slow phase moved every mode's predicted wait together): the iterations
-    pooled, the waits and the optimizer's share averaged over the runs' iterations. None
-    when no run finished."""
+    and the last mode, and with --repeat one in every round: the host's cores drift apart
+    differently from minute to minute, so one run in a slow phase moved every mode's
+    predicted wait together): the iterations pooled, the waits and the optimizer's share
+    averaged over the runs' iterations, each wait's ± the steps' or, from three runs, the
+    runs' where larger. None when no run finished."""
     runs = [m for m in measured if m["mode"] == "ddp:noop" and m["status"] == "ok"]
     if not runs:
         return None
@@ -211,11 +212,21 @@ def compute_step(measured: list[dict]) -> dict | None:
 
     units = [m.get("unit_waits_ms") or {} for m in runs]
     ses = [m.get("wait_se_ms") or {} for m in runs]
+    waits = {"step": [m.get("arrival_skew_ms") for m in runs], **{k: [u.get(k) for u in units] for k in units[0]}}
+
+    def wait_se(key: str) -> float | None:
+        """The steps' pooled ±, or where three runs or more give the wait and their means
+        scatter more (whole runs differ more than their steps on shared cores), the runs'."""
+        steps = se([e.get(key) for e in ses])
+        have = [v for v in waits.get(key, []) if v is not None]
+        runs_se = workers.standard_error(have) if len(have) >= 3 else None
+        return max((v for v in (steps, runs_se) if v is not None), default=None)
+
     return {"iter_ms": report.iteration_summary([t / 1e3 for m in runs for t in m["iteration_ms"]]),
-            "arrival_skew_ms": mean([m.get("arrival_skew_ms") for m in runs]) or 0.0,
+            "arrival_skew_ms": mean(waits["step"]) or 0.0,
             "optimizer_ms": mean([m.get("optimizer_ms") for m in runs]),
             "unit_waits_ms": {k: mean([u.get(k) for u in units]) for k in units[0]} if units[0] else None,
-            "wait_se_ms": {k: se([e.get(k) for e in ses]) for k in ses[0]},
+            "wait_se_ms": {k: wait_se(k) for k in ses[0]},
             "runs": len(runs)}
 
 
@@ -429,6 +440,10 @@ def main(argv=None) -> int:
     ap.add_argument("--accum-steps", type=int, default=1, help="gradient accumulation with no_sync()")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="every mode this many times in fresh processes, in rounds (a slow phase of the machine falls "
+                         "on every mode alike); one column per mode, its sync figures the mean over runs, their ± the "
+                         "standard error over runs: on shared cores whole runs differ more than their steps")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--optimizer", choices=["sgd", "adamw"], default=None,
                     help="every mode's optimizer (default: adamw when a sharded mode (zero1, fsdp*) is compared, "
@@ -480,13 +495,19 @@ def main(argv=None) -> int:
         problem = check_gpus_per_rank(world, "nccl", torch.cuda.device_count())
         if problem:
             ap.error(problem + " (or pass --share-gpu for a functional check over gloo)")
+    if a.repeat < 1:
+        ap.error("--repeat must be 1 or more")
     if a.predict == "this-host":
-        # This host's compute is measured, not read off a datasheet: first and last (compute_step).
-        modes = ["ddp:noop"] + [m for m in modes if m != "ddp:noop"] + ["ddp:noop"]
+        # This host's compute is measured, not read off a datasheet: first and last (compute_step),
+        # and in every round.
+        modes = (["ddp:noop"] + [m for m in modes if m != "ddp:noop"]) * a.repeat + ["ddp:noop"]
+    else:
+        modes = modes * a.repeat
     env = envinfo.collect(torch.device("cpu"))
     env.update(world_size=world, device=a.device, model=args["model"], batch_size=a.batch_size,
                bucket_cap_mb=caps if len(caps) > 1 else caps[0], mem_limit_mb=a.mem_limit_mb, amp=a.amp,
-               checkpoint=a.checkpoint, accum_steps=a.accum_steps, share_gpu=a.share_gpu, optimizer=args["optimizer"])
+               checkpoint=a.checkpoint, accum_steps=a.accum_steps, share_gpu=a.share_gpu, optimizer=args["optimizer"],
+               **({"repeat": a.repeat} if a.repeat > 1 else {}))
     if a.share_gpu:
         env["note"] = "--share-gpu: all DDP ranks on one GPU over gloo, a functional check, not a speed figure"
     results, samples = [], []
@@ -495,7 +516,7 @@ def main(argv=None) -> int:
         for cap in (caps if _is_ddp(mode) and mode != "ddp:noop" else caps[:1]):
             margs = dict(args, bucket_cap_mb=cap)
             label = f"{mode} @{cap:g}MB" if len(caps) > 1 and _is_ddp(mode) and mode != "ddp:noop" else mode
-            if modes.count(mode) > 1:  # this-host's compute-only step, run first and last
+            if a.repeat == 1 and modes.count(mode) > 1:  # this-host's compute-only step, run first and last
                 label = f"{mode} ({'first' if n == modes.index(mode) else 'last'})"
             print(f"# running {label} ...", file=sys.stderr, flush=True)
             res = run_mode(mode, world, margs)
@@ -505,14 +526,22 @@ def main(argv=None) -> int:
                 res["label"] = label
             records = res.pop("trace_records", None)
             if a.trace and records:
-                res["trace"] = write_trace(records, label, a.trace)
-            if a.find_max_batch and res["status"] in ("ok", "oom"):
+                run = f" run {modes[:n].count(mode) + 1}" if a.repeat > 1 else ""
+                res["trace"] = write_trace(records, label + run, a.trace)
+            if a.find_max_batch and res["status"] in ("ok", "oom") and mode not in modes[:n]:
                 res["max_batch"], res["max_batch_probes"] = search.find_max_batch(mode, world, margs, run_mode)
             results.append(res)
         if a.predict == "this-host" and n in _sample_after(len(modes)) and results[-1]["status"] == "ok":
             samples.append(host_sample(world, modes, args))  # the last: in predicted
-    if a.predict:
-        results += predicted(a.predict, modes, results, args, world, samples)
+    measured = results
+    if a.repeat > 1:  # one column per mode (and cap), its runs pooled
+        columns: dict[str, list[dict]] = {}
+        for res in results:
+            columns.setdefault(res.get("label", res["mode"]), []).append(res)
+        measured = [report.pool_runs(runs) for runs in columns.values()]
+    if a.predict:  # from every run (compute_step pools the compute-only step's)
+        measured = measured + predicted(a.predict, modes, results, args, world, samples)
+    results = measured
     doc = {"env": env, "modes": results}
     print("\n".join(envinfo.header_lines(env)))
     print()

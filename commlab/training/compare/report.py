@@ -1,6 +1,8 @@
 """The seed's table: one row per metric, one column per mode, with the definitions."""
 from __future__ import annotations
 
+import statistics
+
 from commlab.measure.timing import percentile
 
 # Printed with the table (a constant, not the docstring: python -OO strips docstrings).
@@ -47,7 +49,9 @@ DEFINITIONS = """\
                largest rank's exposed time per step; predicted: of the wait
                charged, over ddp:noop's steps (this-host runs it first and last;
                the two pooled), for FSDP with the two states' range (half of it
-               over √3: a mixture anywhere in it)
+               over √3: a mixture anywhere in it). With --repeat, a column pools its
+               runs: the mean of the runs' figures, ± the standard error over runs
+               (predicted: of the wait over ddp:noop's runs where it is larger)
   tensor bytes the peak, over one extra step sampled at every leaf module's forward,
                every gradient's accumulation and after the optimizer step, of the
                bytes of unique storages a rank holds as parameters (sharded, or
@@ -72,6 +76,48 @@ def iteration_summary(times_s: list[float]) -> dict:
     """Median and p90 of iteration times in ms (the measure.timing percentile)."""
     ordered = sorted(times_s)
     return {"median": percentile(ordered, 0.5) * 1e3, "p90": percentile(ordered, 0.9) * 1e3}
+
+
+def pool_runs(rows: list[dict]) -> dict:
+    """One mode's runs under --repeat as one column: its steps pooled (iteration median and
+    p90 over all of them), the synchronisation figures the mean over runs with, as their ±,
+    the standard error over runs (the spread of the runs' means holds the steps' noise and
+    how far whole runs differ, which the steps' ± misses), peak memory per rank the largest
+    run's. A run that failed is the column's outcome."""
+    for k, r in enumerate(rows):
+        if r["status"] != "ok":
+            return dict(r, reason=f"run {k + 1} of {len(rows)}: {r['reason']}", runs=len(rows))
+    first = rows[0]
+    steps = [t for r in rows for t in r["iteration_ms"]]
+    iters = iteration_summary([t / 1e3 for t in steps])
+
+    def mean(values):
+        return None if any(v is None for v in values) else sum(values) / len(values)
+
+    syncs = [r["grad_sync_ms"] for r in rows]
+    sync = {k: mean([s.get(k) for s in syncs]) for k in ("total", "exposed", "after_arrival")}
+    if sync["exposed"] is not None and len(rows) > 1:
+        runs = [s["exposed"] for s in syncs]
+        sync.update(exposed_se=statistics.stdev(runs) / len(runs) ** 0.5, exposed_runs=runs)
+    out = dict(first, iter_ms=iters, iteration_ms=steps, runs=len(rows), grad_sync_ms=sync,
+               samples_per_s=first["samples_per_s"] * first["iter_ms"]["median"] / iters["median"],
+               peak_memory_mb=[max(v) if None not in v else None for v in zip(*(r["peak_memory_mb"] for r in rows))],
+               util_percent=[mean(list(v)) for v in zip(*(r["util_percent"] for r in rows))])
+    for key in ("tensor_mb", "optimizer_ms", "arrival_skew_ms"):
+        if all(r.get(key) is not None for r in rows):
+            out[key] = (max if key == "tensor_mb" else mean)([r[key] for r in rows])
+    if all(r.get("backward_end_ms") is not None for r in rows):  # ddp:noop's, per timed step as iteration_ms
+        out["backward_end_ms"] = [t for r in rows for t in r["backward_end_ms"]]
+    if all(r.get("unit_waits_ms") for r in rows):
+        out["unit_waits_ms"] = {k: mean([r["unit_waits_ms"].get(k) for r in rows]) for k in first["unit_waits_ms"]}
+    out.pop("wait_se_ms", None)  # one run's; the predicted ± comes from every run (cli.compute_step)
+    if any("trace" in r for r in rows):
+        out["trace"] = [r.get("trace") for r in rows]
+    out["per_run"] = [{"iter_median_ms": r["iter_ms"]["median"], **{k: r["grad_sync_ms"].get(k) for k in sync
+                                                                     if k in ("total", "exposed", "after_arrival")},
+                       **({"arrival_skew_ms": r["arrival_skew_ms"]} if r.get("arrival_skew_ms") is not None else {})}
+                      for r in rows]
+    return out
 
 
 def fmt_list(vals, fmt="{:.0f}"):
