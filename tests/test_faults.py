@@ -383,3 +383,48 @@ def test_ranks_end_when_the_process_that_started_them_dies(tmp_path, signal_name
                 os.kill(p, 9)
             except ProcessLookupError:
                 pass
+
+
+def test_a_pool_whose_rank_cannot_start_leaves_nothing_behind(monkeypatch):
+    """A rank's start() can fail (no processes or descriptors left): the ranks already
+    started, the lifeline's two ends and the working directory must go with the error, not
+    stay until the launching process exits (a test session starts hundreds of pools)."""
+    import gc
+    import glob
+    import tempfile
+
+    from commlab.measure import launch
+
+    real = launch._context()
+    started = []
+
+    class Unstartable:
+        pid = None
+
+        def start(self):
+            raise OSError(24, "Too many open files")
+
+    class Ctx:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def Process(self, *a, **k):  # noqa: N802 - multiprocessing's name
+            if started:  # the second rank's
+                return Unstartable()
+            started.append(real.Process(*a, **k))
+            return started[-1]
+
+    launch.RankPool(1, backend=None).close()  # the fork server up: its descriptors are this process's for good
+    monkeypatch.setattr(launch, "_context", lambda: Ctx())
+    fds = set(os.listdir("/proc/self/fd"))
+    dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "commlab-ranks-*")))
+    with pytest.raises(OSError, match="Too many open files"):
+        launch.RankPool(2, backend=None)
+    gc.collect()  # the pool's queues close their pipes when collected; the lifeline's raw ends never would
+    assert len(started) == 1
+    started[0].join(10)
+    assert not started[0].is_alive(), "the rank that started outlived its pool's failure"
+    started[0].close()  # this test's own hold on it (its pipes to the fork server)
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "commlab-ranks-*"))) == dirs
+    leaked = set(os.listdir("/proc/self/fd")) - fds
+    assert not leaked, {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in leaked if os.path.exists(f"/proc/self/fd/{fd}")}

@@ -556,8 +556,13 @@ class RankPool:
                          self._outq)}), daemon=True, name=f"commlab-rank{r}")
             for r in self._ranks
         }
-        for p in self._procs.values():
-            p.start()
+        try:
+            for p in self._procs.values():
+                p.start()
+        except BaseException:  # the ranks already started, the lifeline, the directory go with the error
+            os.close(life_r)
+            self.close()
+            raise
         os.close(life_r)
         self._start_timeout_s = start_timeout_s
         if len(self._ranks) == world_size:
@@ -667,9 +672,10 @@ class RankPool:
             except Exception:  # noqa: BLE001 - a closed queue: the rank is gone anyway
                 pass
         deadline = time.monotonic() + 5
-        for p in self._procs.values():
+        started = [p for p in self._procs.values() if p.pid is not None]
+        for p in started:
             p.join(max(0.0, deadline - time.monotonic()))
-        for p in self._procs.values():
+        for p in started:
             if p.is_alive():
                 p.kill()
                 p.join(5)
