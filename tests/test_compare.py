@@ -891,6 +891,7 @@ def test_compare_repeat_runs_and_pools_end_to_end(tmp_path):
     assert sorted(f for f in os.listdir(traces) if f.endswith(".json")) == sorted(
         f"{m}_run_{k}.json" for m in ("ddp", "ddp:noop") for k in ((1, 2) if m == "ddp" else (1, 2, 3)))
     assert " σ)" in proc.stdout  # the predicted column against the one pooled measured column
+    assert "# running ddp (run 2 of 2) ..." in proc.stderr and "# running ddp:noop (run 3 of 3) ..." in proc.stderr
 
 
 def test_repeated_compute_only_runs_pool_their_waits_and_keep_every_run():
@@ -908,3 +909,4 @@ def test_repeated_compute_only_runs_pool_their_waits_and_keep_every_run():
     assert got["backward_end_ms"] == [8.0, 9.0, 7.0, 9.5] and "wait_se_ms" not in got
     assert got["trace"] == [{"json": "t30.0"}, {"json": "t90.0"}]
     assert [r["arrival_skew_ms"] for r in got["per_run"]] == [30.0, 90.0]
+    assert "exposed_se" not in got["grad_sync_ms"]  # nothing exposed: no ± to print beside it

@@ -518,7 +518,8 @@ def main(argv=None) -> int:
             label = f"{mode} @{cap:g}MB" if len(caps) > 1 and _is_ddp(mode) and mode != "ddp:noop" else mode
             if a.repeat == 1 and modes.count(mode) > 1:  # this-host's compute-only step, run first and last
                 label = f"{mode} ({'first' if n == modes.index(mode) else 'last'})"
-            print(f"# running {label} ...", file=sys.stderr, flush=True)
+            print(f"# running {label}" + (f" (run {modes[:n].count(mode) + 1} of {modes.count(mode)})"
+                                          if a.repeat > 1 else "") + " ...", file=sys.stderr, flush=True)
             res = run_mode(mode, world, margs)
             if _is_ddp(mode):
                 res["bucket_cap_mb"] = cap

@@ -96,7 +96,7 @@ def pool_runs(rows: list[dict]) -> dict:
 
     syncs = [r["grad_sync_ms"] for r in rows]
     sync = {k: mean([s.get(k) for s in syncs]) for k in ("total", "exposed", "after_arrival")}
-    if sync["exposed"] is not None and len(rows) > 1:
+    if sync["exposed"] and len(rows) > 1:  # ddp:noop's zero has no ±
         runs = [s["exposed"] for s in syncs]
         sync.update(exposed_se=statistics.stdev(runs) / len(runs) ** 0.5, exposed_runs=runs)
     out = dict(first, iter_ms=iters, iteration_ms=steps, runs=len(rows), grad_sync_ms=sync,
