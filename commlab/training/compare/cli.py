@@ -95,7 +95,7 @@ def run_ddp_mode(mode: str, world: int, args: dict, rank_fn=workers.ddp_rank) ->
     # The part of it after the last rank arrived: communication, not waiting for a slower rank.
     split = trace.exposed_split([r["trace"] for r in res]) if res[0].get("trace") else {}
     after = split.get("after_arrival")
-    se = workers.standard_error(split.get("exposed_per_iteration") or [])  # how much it moves step to step
+    se = report.standard_error(split.get("exposed_per_iteration") or [])  # how much it moves step to step
     return {
         "mode": mode, "status": "ok", "reason": "",
         "iter_ms": iters,
@@ -219,7 +219,7 @@ def compute_step(measured: list[dict]) -> dict | None:
         scatter more (whole runs differ more than their steps on shared cores), the runs'."""
         steps = se([e.get(key) for e in ses])
         have = [v for v in waits.get(key, []) if v is not None]
-        runs_se = workers.standard_error(have) if len(have) >= 3 else None
+        runs_se = report.standard_error(have) if len(have) >= 3 else None
         return max((v for v in (steps, runs_se) if v is not None), default=None)
 
     return {"iter_ms": report.iteration_summary([t / 1e3 for m in runs for t in m["iteration_ms"]]),
@@ -518,8 +518,9 @@ def main(argv=None) -> int:
             label = f"{mode} @{cap:g}MB" if len(caps) > 1 and _is_ddp(mode) and mode != "ddp:noop" else mode
             if a.repeat == 1 and modes.count(mode) > 1:  # this-host's compute-only step, run first and last
                 label = f"{mode} ({'first' if n == modes.index(mode) else 'last'})"
-            print(f"# running {label}" + (f" (run {modes[:n].count(mode) + 1} of {modes.count(mode)})"
-                                          if a.repeat > 1 else "") + " ...", file=sys.stderr, flush=True)
+            run = modes[:n].count(mode) + 1  # which of this mode's runs (--repeat)
+            print(f"# running {label}" + (f" (run {run} of {modes.count(mode)})" if a.repeat > 1 else "") + " ...",
+                  file=sys.stderr, flush=True)
             res = run_mode(mode, world, margs)
             if _is_ddp(mode):
                 res["bucket_cap_mb"] = cap
@@ -527,9 +528,8 @@ def main(argv=None) -> int:
                 res["label"] = label
             records = res.pop("trace_records", None)
             if a.trace and records:
-                run = f" run {modes[:n].count(mode) + 1}" if a.repeat > 1 else ""
-                res["trace"] = write_trace(records, label + run, a.trace)
-            if a.find_max_batch and res["status"] in ("ok", "oom") and mode not in modes[:n]:
+                res["trace"] = write_trace(records, label + (f" run {run}" if a.repeat > 1 else ""), a.trace)
+            if a.find_max_batch and res["status"] in ("ok", "oom") and run == 1:
                 res["max_batch"], res["max_batch_probes"] = search.find_max_batch(mode, world, margs, run_mode)
             results.append(res)
         if a.predict == "this-host" and n in _sample_after(len(modes)) and results[-1]["status"] == "ok":

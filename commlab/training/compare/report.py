@@ -78,6 +78,11 @@ def iteration_summary(times_s: list[float]) -> dict:
     return {"median": percentile(ordered, 0.5) * 1e3, "p90": percentile(ordered, 0.9) * 1e3}
 
 
+def standard_error(values: list[float]) -> float | None:
+    """The standard error of the values' mean (sample standard deviation / sqrt(n)); None below two."""
+    return statistics.stdev(values) / len(values) ** 0.5 if len(values) >= 2 else None
+
+
 def pool_runs(rows: list[dict]) -> dict:
     """One mode's runs under --repeat as one column: its steps pooled (iteration median and
     p90 over all of them), the synchronisation figures the mean over runs with, as their ±,
@@ -98,7 +103,7 @@ def pool_runs(rows: list[dict]) -> dict:
     sync = {k: mean([s.get(k) for s in syncs]) for k in ("total", "exposed", "after_arrival")}
     if sync["exposed"] and len(rows) > 1:  # ddp:noop's zero has no ±
         runs = [s["exposed"] for s in syncs]
-        sync.update(exposed_se=statistics.stdev(runs) / len(runs) ** 0.5, exposed_runs=runs)
+        sync.update(exposed_se=standard_error(runs), exposed_runs=runs)
     out = dict(first, iter_ms=iters, iteration_ms=steps, runs=len(rows), grad_sync_ms=sync,
                samples_per_s=first["samples_per_s"] * first["iter_ms"]["median"] / iters["median"],
                peak_memory_mb=[max(v) if None not in v else None for v in zip(*(r["peak_memory_mb"] for r in rows))],
@@ -113,8 +118,8 @@ def pool_runs(rows: list[dict]) -> dict:
     out.pop("wait_se_ms", None)  # one run's; the predicted ± comes from every run (cli.compute_step)
     if any("trace" in r for r in rows):
         out["trace"] = [r.get("trace") for r in rows]
-    out["per_run"] = [{"iter_median_ms": r["iter_ms"]["median"], **{k: r["grad_sync_ms"].get(k) for k in sync
-                                                                     if k in ("total", "exposed", "after_arrival")},
+    out["per_run"] = [{"iter_median_ms": r["iter_ms"]["median"],
+                       **{k: r["grad_sync_ms"].get(k) for k in ("total", "exposed", "after_arrival")},
                        **({"arrival_skew_ms": r["arrival_skew_ms"]} if r.get("arrival_skew_ms") is not None else {})}
                       for r in rows]
     return out

@@ -6,7 +6,6 @@ import contextlib
 import datetime
 import os
 import resource
-import statistics
 import time
 import warnings
 
@@ -126,12 +125,7 @@ def _waits_ms(iterations: list[list[list[float]]], cores: int, se: bool = False)
         for r, w in enumerate(step):
             per_rank[r].append(w)
     worst = max(per_rank, key=sum)
-    return standard_error([w * 1e3 for w in worst]) if se else sum(worst) / len(worst) * 1e3
-
-
-def standard_error(values: list[float]) -> float | None:
-    """The standard error of the values' mean (sample standard deviation / sqrt(n)); None below two."""
-    return statistics.stdev(values) / len(values) ** 0.5 if len(values) >= 2 else None
+    return report.standard_error([w * 1e3 for w in worst]) if se else sum(worst) / len(worst) * 1e3
 
 
 def unit_waits_ms(marks: list[list], cores: int, kinds: str, se: bool = False) -> float | None:
