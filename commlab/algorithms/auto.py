@@ -9,6 +9,7 @@ import copy
 import hashlib
 import os
 
+from commlab.core import groups
 from commlab.core.errors import CollectiveMismatchError, UnsupportedError
 from commlab.transports.p2p import P2P
 from commlab.transports.setup import by_host, gather, host_id
@@ -42,14 +43,16 @@ class Auto(Algorithm):
         return None
 
     def decide(self, device_type: str, ctx: Context) -> "_Choice":
-        """Collective on first use per plan and device type: every rank gathers the same
-        host ids and tuning-file digests, so every rank decides alike (or fails alike)."""
+        """From facts every rank gathered alike (host ids, tuning-file digests), so every
+        rank decides alike (or fails alike). The gather is the group's, on its first
+        call by auto: a plan of its own (AVG after SUM, another dtype) decides from it
+        locally, so no rank reaches a set-up step its peers have passed."""
         registry = self._registry()
         forced = _forced()
         if forced:
             return _Choice(self.name, ctx, fixed=registry.get(forced).name)
         file = tuning.path()
-        facts = gather(ctx.info, {"host": host_id(), "tuning": _digest(file)}, "auto", "choosing an algorithm")
+        facts = _group_facts(ctx.info, file)
         if len({f["tuning"] for f in facts}) > 1:
             raise CollectiveMismatchError(
                 f"commlab[auto]: ranks have different tuning files ({tuning.ENV}): " +
@@ -114,8 +117,20 @@ class _Choice:
             if reason:
                 where = f" (picked by {self.table.source} for {nbytes} bytes)" if self.table else ""
                 raise UnsupportedError(f"commlab[{alg.name}]: {reason}{where}")
-            got = self.ready[name] = (alg, Context(info=self.ctx.info, p2p=P2P(self.ctx.info, alg.name)))
+            got = self.ready[name] = (alg, Context(info=self.ctx.info, p2p=P2P(self.ctx.info, alg.name), op=self.ctx.op))
         return got
+
+
+_facts = groups.PerGroup(lambda g: [])  # every rank's host id and tuning digest, per group
+
+
+def _group_facts(info, file: str) -> list[dict]:
+    """Every rank's host id and tuning digest: gathered on the group's first ask, then
+    remembered (collective the first time, a lookup after)."""
+    known = _facts.get(info.group)
+    if not known:
+        known.extend(gather(info, {"host": host_id(), "tuning": _digest(file)}, "auto", "choosing an algorithm"))
+    return known
 
 
 def rule(device_type: str, per_host: list[int]) -> str:

@@ -69,6 +69,13 @@ class Context:
     info: GroupInfo
     p2p: P2P
     transport: object = None  # an algorithm's per-group transport state, cached by the algorithm itself
+    op: Op | None = None  # the caller's op, AVG included (run() is given SUM for it)
+
+    def recorded(self, op: Op) -> int:
+        """The op code a transport that compares call records must record for a run
+        given `op`: the caller's AVG as AVG (4), which the transport reduces as SUM, so
+        that a rank averaging and a rank summing never pair."""
+        return int(Op.AVG if self.op is Op.AVG else op)
 
     @property
     def rank(self) -> int:
@@ -143,7 +150,9 @@ class Algorithm(Member):
 
     def run(self, buf: torch.Tensor, op: Op, ctx: Context) -> None:
         """Reduce the flat contiguous `buf` in place across the group (op is never AVG;
-        buf.numel() > 0 and ctx.size > 1). Every rank must end bitwise identical."""
+        ctx.size > 1). Every rank must end bitwise identical. `buf` is never empty,
+        except for an algorithm whose transport compares call records (checks_calls):
+        an empty call must take part in that comparison, its peers may have data."""
         raise NotImplementedError
 
     def checks_calls(self, buf: torch.Tensor, ctx: Context) -> bool:

@@ -98,7 +98,7 @@ class Hierarchical(Algorithm):
     def run(self, buf, op, ctx):
         layout = self._layout(ctx)
         if layout.hosts == 1:
-            shm.all_reduce(buf, op, shm.Mode.AUTO, ctx.info, self.name)
+            shm.all_reduce(buf, ctx.recorded(op), shm.Mode.AUTO, ctx.info, self.name)
             return
         k, n = layout.shards, buf.numel()
         s = -(-n // k)  # shard elements; the last shard is padded

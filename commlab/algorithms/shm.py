@@ -48,7 +48,7 @@ class SharedMemory(Algorithm):
     def run(self, buf, op, ctx):
         if ctx.transport is None:  # the group's shared-memory entry, looked up once per plan
             ctx.transport = shm.state_of(ctx.info)
-        shm.all_reduce(buf, op, self.mode, ctx.info, self.name, ctx.transport)
+        shm.all_reduce(buf, ctx.recorded(op), self.mode, ctx.info, self.name, ctx.transport)
 
 
 ALGORITHM = SharedMemory()

@@ -69,7 +69,7 @@ class _Plan:
         self.average = reduce_op is Op.AVG
         self.core_op = Op.SUM if self.average else reduce_op
         self.info = info
-        self.ctx = Context(info=info, p2p=P2P(info, alg.name))
+        self.ctx = Context(info=info, p2p=P2P(info, alg.name), op=reduce_op)
         self.lane = lanes.lane(info.group)
         self.check = checking_enabled()
         self.op_key = op_key  # the caller's op object this plan is cached under
@@ -101,6 +101,8 @@ class _Plan:
             self.ctx.p2p.agree(CallRecord("all_reduce", tensor.numel(), tensor.dtype, self.reduce_op, self.alg.name),
                                algorithms.names)
         if tensor.numel() == 0:
+            if not self.agree and self.info.size > 1:  # the transport checks it like any call
+                self.alg.run(tensor.view(-1), self.core_op, self.ctx)
             return
         # Algorithms work on one flat contiguous buffer; a strided caller's view gets
         # the result copied back, like gloo does for non-dense inputs.

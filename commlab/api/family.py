@@ -27,7 +27,7 @@ class Plan:
         self.names = names  # the family's registry names: how the agreement decodes a record
         self.reduce_op = reduce_op
         self.op_key = op_key  # the caller's op object the plan is cached under
-        self.ctx = Context(info=info, p2p=P2P(info, alg.name))
+        self.ctx = Context(info=info, p2p=P2P(info, alg.name), op=reduce_op)
         self.lane = lanes.lane(info.group)
         self.agree = None  # whether every call is agreed first: decided on the first call
         self.fast = None  # the algorithm's one-call path for blocking calls, decided on the first call
@@ -87,14 +87,14 @@ class Plan:
                     self.fast = self.alg.fast_call(inp, self.reduce_op, self.ctx)
                     if self.fast is not None:
                         _fast[self.fast_key] = self
-            empty = self.empty(out, inp)
-            # An empty call too: its peers may not be empty (shared memory skips empty calls
-            # without a record, so an empty one is agreed: the records' sizes differ there).
-            if self.agree or (empty and p > 1):
+            if self.agree:  # an empty call too: its peers may not be empty
                 agreed = self.ctx.p2p.agree(self.record(out, inp, root, extra), self.names)
                 if agreed is not None:  # all_to_all: every rank's counts, as a matrix
                     extra = extra.agreed(agreed)
-            if not empty:
+            # Where the transport compares records itself, an empty call goes down to it:
+            # there it publishes its record like any other call and checks its peers'
+            # (agreeing it elsewhere left a peer with data waiting in the transport).
+            if not self.agree or not self.empty(out, inp):
                 self.body(out, inp, root, extra)
         except (CollectiveMismatchError, UnsupportedError):
             raise  # raised alike on every rank, from facts they share

@@ -48,7 +48,7 @@ class Hierarchical(ReduceScatterAlgorithm):
         info = ctx.info
         layout = _layouts.get(info.group)
         if layout.hosts == 1:
-            shm.reduce_scatter(out, inp, int(op), info, self.name)
+            shm.reduce_scatter(out, inp, ctx.recorded(op), info, self.name)
             return
         members, intra, link = layout.members, layout.intra, layout.inter if layout.local == 0 else None
         mine = next(m for m in members if info.rank in m)

@@ -36,7 +36,7 @@ class SharedMemory(ReduceScatterAlgorithm):
         return shm.fast_call(ctx.info, self.name, "try_reduce_scatter", like, int(op))
 
     def run(self, out, inp, op, ctx):
-        shm.reduce_scatter(out, inp, int(op), ctx.info, self.name)
+        shm.reduce_scatter(out, inp, ctx.recorded(op), ctx.info, self.name)
 
 
 ALGORITHM = SharedMemory()

@@ -66,6 +66,9 @@ struct alignas(64) WakeLine {
 // so a piece never pairs with a piece of another call.
 // Which collective a call is: part of the record, so ranks that called different
 // collectives fail with a mismatch instead of exchanging the wrong data.
+// Op code 4: the caller asked for AVG (codes.h's RedOp stops at MAX).
+constexpr int kAvgRecord = 4;
+
 enum Kind : int32_t { kAllReduce = 0, kAllGather = 1, kReduceScatter = 2, kBroadcast = 3, kBarrier = 4, kAllToAll = 5 };
 
 struct alignas(64) CallInfo {
@@ -127,9 +130,13 @@ std::string errno_text(const std::string& what) {
 }
 
 const char* op_name(int op) {
-  static const char* names[] = {"SUM", "PRODUCT", "MIN", "MAX"};
-  return op >= 0 && op < 4 ? names[op] : "?";
+  static const char* names[] = {"SUM", "PRODUCT", "MIN", "MAX", "AVG"};
+  return op >= 0 && op <= kAvgRecord ? names[op] : "?";
 }
+
+// The op a reduction runs: the caller's AVG is recorded as such (ranks that average
+// and ranks that sum must not pair) and summed here; the API divides afterwards.
+RedOp reduction_of(int op) { return op == kAvgRecord ? RedOp::kSum : static_cast<RedOp>(op); }
 
 const char* mode_name(int mode) {
   static const char* names[] = {"auto", "one-shot", "two-shot", "root"};
@@ -694,7 +701,7 @@ void ShmComm::piece(char* dst, const char* src, int64_t total, int64_t index, in
       }
       ptrs[j] = segs_[j]->data(par, capacity_);
     }
-    reduce_n_raw(dst, ptrs, world_, count, dtype, static_cast<RedOp>(op));
+    reduce_n_raw(dst, ptrs, world_, count, dtype, reduction_of(op));
     return;
   }
 
@@ -705,7 +712,7 @@ void ShmComm::piece(char* dst, const char* src, int64_t total, int64_t index, in
       }
       for (int j = 0; j < world_; ++j) ptrs[j] = segs_[j]->data(par, capacity_);
       char* result = segs_[0]->data(par, capacity_);
-      reduce_n_raw(result, ptrs, world_, count, dtype, static_cast<RedOp>(op));
+      reduce_n_raw(result, ptrs, world_, count, dtype, reduction_of(op));
       publish(c * 4 + 2);
       std::memcpy(dst, result, nbytes);
     } else {
@@ -731,7 +738,7 @@ void ShmComm::piece(char* dst, const char* src, int64_t total, int64_t index, in
   int64_t off, len;
   slice(rank_, &off, &len);
   for (int j = 0; j < world_; ++j) ptrs[j] = segs_[j]->data(par, capacity_) + off;
-  reduce_n_raw(segs_[rank_]->data(par, capacity_) + off, ptrs, world_, len / elsize, dtype, static_cast<RedOp>(op));
+  reduce_n_raw(segs_[rank_]->data(par, capacity_) + off, ptrs, world_, len / elsize, dtype, reduction_of(op));
   publish(c * 4 + 2);
   for (int k = 0; k < world_; ++k) {
     const int j = (rank_ + k) % world_;  // start at different peers to spread the reads
@@ -748,6 +755,19 @@ bool like_plan(const at::Tensor& t, int64_t dtype) {
          t.is_contiguous() && !t.is_neg() && !t.is_conj();
 }
 }  // namespace
+
+// A call with nothing to move still takes part in the check: its record is published
+// and compared with every peer's, as a barrier's is, so a peer with data meets a
+// mismatch instead of waiting for a piece that never comes.
+void ShmComm::record_only(const Call& call) {
+  guarded([&] {
+    const uint64_t c = ++seq_;
+    begin(c, call, 0, 0);
+    for (int j = 0; j < world_; ++j) {
+      if (j != rank_) await_checked(j, c, 1);
+    }
+  });
+}
 
 bool ShmComm::try_allreduce(const at::Tensor& t, int64_t op, int64_t mode, int64_t dtype) {
   // The API's fast path: anything unlike the plan's call goes the long way, untouched.
@@ -786,11 +806,16 @@ void ShmComm::guarded(Body&& body) {
 void ShmComm::allreduce(const at::Tensor& t, int64_t op, int64_t mode) {
   check_usable();  // before anything shared is touched (a forked child stops here)
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "commlab shm: needs a contiguous CPU tensor");
-  TORCH_CHECK(op >= 0 && op <= 3, "commlab shm: op code must be 0..3");
+  TORCH_CHECK(op >= 0 && op <= kAvgRecord, "commlab shm: op code must be 0..4 (4: AVG, summed)");
   TORCH_CHECK(mode >= 0 && mode <= 3, "commlab shm: mode must be a ShmMode (0..3)");
   const int64_t elsize = t.element_size();
   const int64_t nbytes = t.numel() * elsize;
-  if (nbytes == 0 || world_ == 1) return;
+  if (world_ == 1) return;
+  if (nbytes == 0) {
+    record_only(Call{kAllReduce, 0, static_cast<int32_t>(t.scalar_type()), static_cast<int32_t>(op),
+                     static_cast<int32_t>(mode), -1});
+    return;
+  }
   // Pieces never split an element and fit one parity buffer.
   const int64_t max_piece = (capacity_ / elsize) * elsize;
   char* data = static_cast<char*>(t.data_ptr());
@@ -824,10 +849,11 @@ int64_t check_pair(const at::Tensor& whole, const char* whole_role, const at::Te
   return part.numel() * part.element_size();
 }
 
-// Nothing to exchange: an empty part, or a group of one (the input is the output).
-bool nothing_to_exchange(char* dst, const char* src, int64_t nbytes, int world) {
+// A group of one exchanges nothing: the input is the output. (An empty call in a larger
+// group still publishes its record: record_only.)
+bool alone(char* dst, const char* src, int64_t nbytes, int world) {
   if (nbytes != 0 && world == 1 && dst != src) std::memmove(dst, src, nbytes);
-  return nbytes == 0 || world == 1;
+  return world == 1;
 }
 }  // namespace
 
@@ -842,9 +868,10 @@ void ShmComm::allgather(const at::Tensor& out, const at::Tensor& in) {
   const int64_t elsize = in.element_size();
   char* dst = static_cast<char*>(out.data_ptr());
   const char* src = static_cast<const char*>(in.data_ptr());
-  if (nothing_to_exchange(dst, src, nbytes, world_)) return;
+  if (alone(dst, src, nbytes, world_)) return;
   const int64_t max_piece = piece_limit(elsize);
   const Call call{kAllGather, nbytes, static_cast<int32_t>(in.scalar_type()), -1, -1, -1};
+  if (nbytes == 0) return record_only(call);
   guarded([&] {
     int64_t index = 0;
     for (int64_t done = 0; done < nbytes; done += max_piece, ++index) {
@@ -865,17 +892,18 @@ void ShmComm::allgather(const at::Tensor& out, const at::Tensor& in) {
 
 void ShmComm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, int64_t op) {
   check_usable();
-  TORCH_CHECK(op >= 0 && op <= 3, "commlab shm: op code must be 0..3");
+  TORCH_CHECK(op >= 0 && op <= kAvgRecord, "commlab shm: op code must be 0..4 (4: AVG, summed)");
   const int64_t nbytes = check_pair(in, "input", out, "output", "reduce_scatter", world_);  // per rank
   const int64_t elsize = in.element_size();
   char* dst = static_cast<char*>(out.data_ptr());
   const char* src = static_cast<const char*>(in.data_ptr());
-  if (nothing_to_exchange(dst, src, nbytes, world_)) return;
+  if (alone(dst, src, nbytes, world_)) return;
   // A piece holds the same stretch of every rank's slice.
   const int64_t max_piece = (capacity_ / (elsize * world_)) * elsize;
   TORCH_CHECK(max_piece > 0, "commlab shm: capacity too small for reduce_scatter among ", world_, " ranks");
   const auto dtype = in.scalar_type();
   const Call call{kReduceScatter, nbytes * world_, static_cast<int32_t>(dtype), static_cast<int32_t>(op), -1, -1};
+  if (nbytes == 0) return record_only(call);
   guarded([&] {
     const void** ptrs = ptrs_.data();
     int64_t index = 0;
@@ -890,7 +918,7 @@ void ShmComm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, int64_
         if (j != rank_) await_checked(j, c, 1);
         ptrs[j] = segs_[j]->data(par, capacity_) + rank_ * n;
       }
-      reduce_n_raw(dst + done, ptrs, world_, n / elsize, dtype, static_cast<RedOp>(op));
+      reduce_n_raw(dst + done, ptrs, world_, n / elsize, dtype, reduction_of(static_cast<int>(op)));
     }
   });
 }
@@ -901,7 +929,10 @@ void ShmComm::broadcast(const at::Tensor& t, int64_t root) {
   TORCH_CHECK(root >= 0 && root < world_, "commlab shm: broadcast root ", root, " is not a rank of this group");
   const int64_t elsize = t.element_size();
   const int64_t nbytes = t.numel() * elsize;
-  if (nbytes == 0 || world_ == 1) return;
+  if (world_ == 1) return;
+  if (nbytes == 0) {
+    return record_only(Call{kBroadcast, 0, static_cast<int32_t>(t.scalar_type()), -1, -1, static_cast<int32_t>(root)});
+  }
   // Pieces smaller than a buffer: the root copies one in while the receivers copy the last out.
   const int64_t max_piece = piece_limit(elsize);
   char* data = static_cast<char*>(t.data_ptr());

@@ -45,6 +45,8 @@ class ShmComm {
 
   void attach();      // map and validate every peer's segment
   void unlink_own();  // remove our name once every rank has mapped it
+  // op: RedOp's code, or 4 for the caller's AVG (recorded as AVG, reduced as SUM: the API
+  // divides). An empty tensor still publishes its call's record and checks its peers'.
   void allreduce(const at::Tensor& t, int64_t op, int64_t mode);
   // allreduce() for a call like the plan's (CPU, strided, contiguous, this dtype); false, touching nothing,
   // for any other tensor.
@@ -110,6 +112,7 @@ class ShmComm {
   template <class Body>
   void guarded(Body&& body);
   void begin(uint64_t c, const Call& call, int64_t index, int64_t nbytes, uint64_t phase = 1);
+  void record_only(const Call& call);
   void await_checked(int peer, uint64_t c, uint64_t phase, bool peer_may_be_past = false);
   void check_usable() const;
   void publish(uint64_t value);
