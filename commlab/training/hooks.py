@@ -10,16 +10,19 @@ thread and returns a Future that thread completes, so buckets reduce while autog
 keeps computing. The state owns a process group of its own (same ranks), so its
 point-to-point traffic can never interleave with DDP's internal collectives.
 
-The rule for states, like torch.distributed.new_group's: every rank of the job
-creates the same CommStates in the same order, non-members of a sub-group too (their
-copy is inert). A state binds its group on first use (register() or the first
-bucket) or at creation when torch.distributed is already up; binding compares every
-rank's state through the job's store first, so a state made by some ranks only is a
-CollectiveMismatchError on every rank, not a job-wide hang in the next new_group.
+The rule for states: the members of a state's group create it, in the same order
+among the states of the same ranks; a rank outside the group need not create it (a
+copy it does create is inert and waits for nobody). A state binds its group on first
+use (register() or the first bucket) or at creation when torch.distributed is
+already up: its members meet through the job's store, then make the group among
+themselves. Members that create states of different rank sets in different orders,
+each waiting for the other in another state, raise the same CollectiveMismatchError
+at once; a member that never comes is one after COMMLAB_SETUP_TIMEOUT.
 """
 
 
 import atexit
+import hashlib
 import json
 import os
 import queue
@@ -121,12 +124,13 @@ class BucketStats:
 
 
 _bind_lock = threading.Lock()
-_bindings = 0  # states bound by this process so far: the handshake's key
+_bound: dict[tuple, int] = {}  # states this process bound, per rank set: the meeting's key
 # States with a running thread: closed at exit, while the interpreter still runs (a
 # script that ends without close() otherwise had its thread and group torn down during
 # interpreter shutdown, which aborted it 1 time in 6: "terminate called without an
 # active exception").
 _live: "weakref.WeakSet[CommState]" = weakref.WeakSet()
+_SALT = 1 << 40  # above any count of groups a process makes: members-only names never meet torch's
 
 
 @atexit.register
@@ -136,67 +140,106 @@ def _close_live_states() -> None:
 
 
 def _new_group(ranks: list[int] | None, algorithm: str):
-    """The state's own group: agreed first (every rank posts the ranks its next state
-    is for, None for a non-member that does not know them; all must agree, or all
-    raise), then created, then every member waits until all members have it. Without
-    that last step a member could use and destroy the group while a peer is still
-    connecting to it (torch's new_group has no barrier after creation by default)."""
-    global _bindings
-    _bindings += 1
-    store = dist.distributed_c10d._get_default_store()
-    ranks = _agree_on_group(store, _bindings, ranks, algorithm)
-    pg = dist.new_group(ranks)
+    """The state's own group, among its members alone: they meet in the store under the
+    rank set and this state's place among that set's states, then make the group, then
+    every member waits until all have it (torch's new_group has no barrier after
+    creation by default: a member could use and destroy the group while a peer is
+    still connecting). A rank outside the group makes nothing and waits for nobody."""
     me = dist.get_rank()
-    if me in ranks:
-        store.set(f"commlab/commstate/{_bindings}/ready/{me}", "1")
-        _wait_for(store, [f"commlab/commstate/{_bindings}/ready/{r}" for r in ranks], ranks,
-                  f"CommState #{_bindings}'s group to be created")
+    if ranks is None or me not in ranks:
+        return ranks, dist.GroupMember.NON_GROUP_MEMBER
+    k = _bound[tuple(ranks)] = _bound.get(tuple(ranks), 0) + 1
+    meeting = _Meeting(ranks, k)
+    meeting.wait("arrived", algorithm, f"the members of CommState #{k} for ranks {ranks} to create it")
+    pg = _members_group(ranks, _SALT + k)
+    meeting.wait("ready", "1", f"CommState #{k} for ranks {ranks} to have its group")
     return ranks, pg
 
 
+def _members_group(ranks: list[int], salt: int):
+    """dist.new_group(ranks) made by the members alone. torch names such a group after its
+    ranks and the count of groups this process made so far, which only members advance:
+    made under a salt every member knows instead, with the count left as it was, so the
+    members name it alike and every rank of the job still names later groups alike."""
+    world = dist.distributed_c10d._world
+    count = world.group_count
+    world.group_count = salt
+    try:
+        return dist.new_group(ranks, use_local_synchronization=True)
+    finally:
+        world.group_count = count
+
+
 def setup_timeout() -> float:
-    """Seconds a rank waits for its peers to create the same CommState (COMMLAB_SETUP_TIMEOUT)."""
+    """Seconds a member waits for its peers to create the same CommState (COMMLAB_SETUP_TIMEOUT)."""
     return float(os.environ.get("COMMLAB_SETUP_TIMEOUT", "") or 300.0)
 
 
-def _wait_for(store, keys: list[str], ranks: list[int], what: str) -> None:
-    """Wait until every key is in the store, in slices (Ctrl-C gets through), at most
-    setup_timeout(): a rank that never creates the state is an error naming the rule,
-    not a wait until the job is killed."""
-    deadline = time.monotonic() + setup_timeout()
-    pause = 1e-3
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
-            error = CollectiveMismatchError(
-                f"commlab.hooks: rank {dist.get_rank()} waited {setup_timeout():g} s (COMMLAB_SETUP_TIMEOUT) for "
-                f"{what}; rank(s) {missing} never got there. Every rank of the job creates the same CommStates "
-                "in the same order, non-members of a sub-group too (as torch.distributed.new_group requires)")
-            # The peers are likely waiting on this rank in a state made earlier: they raise it too.
-            for state in list(_live):
-                if state.process_group is not None:
-                    p2p.abandon(state.process_group, str(error))
-            raise error
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
+class _Meeting:
+    """Where the members of one state meet in the job's store. While it waits, a member
+    says where it waits (its own key), so a member that finds the peer it waits for
+    waiting in another state that needs this member — which this member has not
+    reached — knows neither can go on: both raise the same error at once, and the
+    meeting's error key tells the other members of both states."""
 
+    def __init__(self, ranks: list[int], k: int):
+        self.ranks, self.k = ranks, k
+        digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
+        self.key = f"commlab/commstate/{digest}/{k}"
+        self.store = dist.distributed_c10d._get_default_store()
+        self.me = dist.get_rank()
 
-def _agree_on_group(store, index: int, ranks: list[int] | None, algorithm: str) -> list[int]:
-    me, world = dist.get_rank(), dist.get_world_size()
-    store.set(f"commlab/commstate/{index}/{me}", json.dumps([ranks, algorithm]))
-    keys = [f"commlab/commstate/{index}/{r}" for r in range(world)]
-    _wait_for(store, keys, list(range(world)), f"every rank to create CommState #{index}")
-    posted = [json.loads(store.get(k)) for k in keys]
-    known = {tuple(r) for r, _ in posted if r is not None}
-    if len(known) != 1:
-        detail = "; ".join(f"rank {q}: {'a non-member (ranks unknown)' if r is None else r} ({a})"
-                           for q, (r, a) in enumerate(posted))
-        raise CollectiveMismatchError(
-            f"commlab.hooks: CommState #{index} was created for different groups: {detail}. Every rank of the job "
-            "creates the same CommStates in the same order, non-members of a sub-group too (as "
-            "torch.distributed.new_group requires); pass the sub-group's ranks as group=[...] where a rank has "
-            "no group object for it")
-    return list(known.pop())
+    def wait(self, step: str, value: str, what: str) -> None:
+        store, me = self.store, self.me
+        store.set(f"{self.key}/{step}/{me}", value)
+        keys = [f"{self.key}/{step}/{r}" for r in self.ranks]
+        where = f"commlab/commstate/waiting/{me}"
+        store.set(where, json.dumps([self.key, self.ranks, step]))
+        try:
+            deadline = time.monotonic() + setup_timeout()
+            pause = 1e-3
+            while not store.check(keys):
+                if store.check([f"{self.key}/error"]):
+                    raise CollectiveMismatchError(store.get(f"{self.key}/error").decode())
+                missing = [r for r, key in zip(self.ranks, keys) if not store.check([key])]
+                self._crossed(missing, step)
+                if time.monotonic() > deadline:
+                    self._fail(f"commlab.hooks: rank {me} waited {setup_timeout():g} s (COMMLAB_SETUP_TIMEOUT) for "
+                               f"{what}; rank(s) {missing} never got there. The members of a state's group create "
+                               "it, in the same order among the states of the same ranks")
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+        finally:
+            store.set(where, "")
+
+    def _crossed(self, missing: list[int], step: str) -> None:
+        """A missing member waiting in another state whose members include this rank,
+        at a step this rank has not reached: a cycle of waits."""
+        for q in missing:
+            raw = self.store.get(f"commlab/commstate/waiting/{q}") if self.store.check(
+                [f"commlab/commstate/waiting/{q}"]) else b""
+            if not raw:
+                continue
+            key, ranks, their_step = json.loads(raw)
+            if key == self.key or self.me not in ranks or self.store.check([f"{key}/{their_step}/{self.me}"]):
+                continue
+            # Both ranks of the crossing word it alike: the lower rank's wait first.
+            waits = sorted([(self.me, q, self.ranks), (q, self.me, ranks)])
+            text = ("commlab.hooks: CommStates created in different orders: " +
+                    "; ".join(f"rank {a} waits for rank {b} in a CommState for ranks {rs}" for a, b, rs in waits) +
+                    ". The members of a state's group create it, in the same order among the states of the same "
+                    "ranks")
+            self.store.set(f"{key}/error", text)
+            self._fail(text)
+
+    def _fail(self, text: str) -> None:
+        error = CollectiveMismatchError(text)
+        self.store.set(f"{self.key}/error", text)  # this state's other members raise it too
+        # The peers are likely waiting on this rank in a state made earlier: they raise it too.
+        for state in list(_live):
+            if state.process_group is not None:
+                p2p.abandon(state.process_group, text)
+        raise error
 
 
 class CommState:
@@ -227,8 +270,8 @@ class CommState:
             self.bind()
 
     def bind(self) -> None:
-        """Create the state's own process group (collective over every rank of the job,
-        in state order; a no-op once bound)."""
+        """Create the state's own process group (collective over its members, in the
+        order of their states of the same ranks; a no-op once bound)."""
         if self.bound:
             return
         with _bind_lock:
@@ -238,7 +281,7 @@ class CommState:
                 raise CommlabError("commlab.hooks: a CommState binds on first use, and torch.distributed is not "
                                    "initialized yet: call dist.init_process_group first")
             ranks, pg = _new_group(self._parent_ranks(), self.algorithm)
-            self.ranks, self.world_size = ranks, len(ranks)
+            self.ranks, self.world_size = ranks, (len(ranks) if ranks is not None else None)
             self.member = pg != dist.GroupMember.NON_GROUP_MEMBER
             self.process_group = pg if self.member else None
             if self.member:
@@ -254,7 +297,7 @@ class CommState:
         if isinstance(g, (list, tuple)):
             return sorted(int(r) for r in g)
         if g == dist.GroupMember.NON_GROUP_MEMBER:
-            return None  # the members post the ranks
+            return None  # not a member: its copy is inert
         return sorted(dist.get_process_group_ranks(g))
 
     def _require_member(self) -> None:
