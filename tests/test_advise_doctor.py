@@ -88,6 +88,7 @@ def test_sharding_decision_is_the_fastest_mode_that_fits_with_its_reasons(limit,
                    for m, mb in (("ddp", 23000), ("zero1", 17000), ("fsdp:noreshard", 9600), ("fsdp", 6600))}
 
 
+@pytest.mark.slow
 def test_advise_sharding_cli_predicts_a_gpu_profile():
     proc = subprocess.run([sys.executable, "-m", "commlab.advise", "--hardware", "rtx4090-pcie4", "--gpus", "4",
                            "--model", "transformer", "--width", "256", "--depth", "2", "--mem-limit-mb", "40"],
@@ -98,6 +99,7 @@ def test_advise_sharding_cli_predicts_a_gpu_profile():
         assert mode in proc.stdout
 
 
+@pytest.mark.slow
 def test_where_nothing_fits_advise_predicts_accumulation_and_recomputation_at_the_same_batch():
     """"Nothing fits" said only "checkpoint activations, mixed precision or a smaller batch",
     with no number behind it. Now every mode is predicted again with --checkpoint and with
@@ -230,6 +232,7 @@ def data_checks(rank, p):
     return out
 
 
+@pytest.mark.slow
 def test_check_data_flags_identical_batches_and_missing_set_epoch(ranks):
     for out in ranks.run(2, data_checks):
         assert out["plain"][0] == doctor.WARN and "same first batch" in out["plain"][1]

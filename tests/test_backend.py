@@ -654,6 +654,7 @@ print("done", flush=True)
 '''
 
 
+@pytest.mark.slow
 def test_a_future_callback_still_running_at_exit_does_not_abort(tmp_path):
     """A Future's callbacks run on commlab's daemon thread after waiters are woken (DDP's
     own bucket callbacks do): when the script ended meanwhile, the thread woke during

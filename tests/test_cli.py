@@ -48,7 +48,7 @@ def test_bench_cli_spawn_json(tmp_path, op, dtype):
     assert csv.read_text().startswith("algorithm,bytes,count")
 
 
-@pytest.mark.parametrize("blocking", [False, True])
+@pytest.mark.parametrize("blocking", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_bench_trace_holds_every_timed_call_and_gives_back_the_table(tmp_path, blocking):
     """--trace: per rank and algorithm every timed call as a span, in order, none
     overlapping; the table's time read back from the spans (back-to-back: the slowest
@@ -85,7 +85,7 @@ def test_bench_trace_holds_every_timed_call_and_gives_back_the_table(tmp_path, b
         assert total / r["iters"] == pytest.approx(r["time_us"], rel=1e-3, abs=0.01), name
 
 
-@pytest.mark.parametrize("flag", ["--plot", "--json", "--csv", "--trace"])
+@pytest.mark.parametrize("flag", ["--json"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("--plot", "--csv", "--trace")])
 def test_an_output_that_cannot_be_written_is_refused_before_the_run(tmp_path, flag):
     """Rank 0 writes the outputs after the run: a path it could not write failed it there,
     while its peer waited out the group's timeout in the closing barrier (120 s). Now every
@@ -107,6 +107,7 @@ def test_a_gpu_trace_is_refused_before_the_run():
     assert "CPU tensors only" in output_problem(args)
 
 
+@pytest.mark.slow
 def test_bench_measures_every_all_gather_algorithm_checked(tmp_path):
     """--collective all_gather: every registered all-gather algorithm, sizes as nccl-tests
     prints them (the gathered output), busbw = algbw·(p-1)/p, #wrong 0 on every row."""
@@ -148,6 +149,7 @@ def test_bench_cli_rejects_unknown_algorithm():
     assert "unknown algorithm 'nope'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_costmodel_recovers_known_parameters(tmp_path):
     alpha, beta, gamma = 50.0, 1e-3, 2e-4  # us, us/B, us/B
     p = 4
@@ -427,6 +429,7 @@ def test_memory_floor_is_a_lower_bound(tmp_path):
     assert "all ranks streaming" in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_floors_can_be_left_out_and_this_hosts_fit_leaves_them_out(tmp_path, monkeypatch):
     """compare's this-host fit reads the rows alone; the floors it had the bench measure
     were 2.2 s of an 8 s run, once per collective fitted."""
@@ -610,6 +613,7 @@ def _server_preload(entry: str) -> list:
     return eval(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_only_the_entry_points_that_build_ddp_preload_dynamo():
     """The ranks' server imported torch._dynamo for every entry point: 0.9 s before the
     first rank of every bench (3.8 s in all for two ranks and one size), which never

@@ -162,6 +162,7 @@ def test_more_ranks_than_gpus_is_a_clear_error_before_anything_starts():
 
 
 @pytest.mark.parametrize("mode", ["zero1", "fsdp"])
+@pytest.mark.slow
 def test_the_sharded_modes_run_out_of_emulated_memory_too(mode):
     """--mem-limit-mb on CPU (and so --find-max-batch) binds every mode: a sharded rank
     that ignored it trained on at any batch, and the search ran to its cap."""
@@ -176,6 +177,7 @@ def test_the_sharded_modes_run_out_of_emulated_memory_too(mode):
     assert cli.run_mode(mode, 2, dict(args, mem_limit_mb=None))["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_sharded_modes_accumulate_autocast_and_checkpoint_as_ddp_does():
     """--accum-steps, --amp bf16 and fp16, --checkpoint in the sharded modes (refused
     before): zero1 skips DDP's reduction in all but the last micro-step, FSDP2 its
@@ -222,6 +224,7 @@ def test_sharded_modes_accumulate_autocast_and_checkpoint_as_ddp_does():
                 flags, r["mode"], r["tensor_breakdown_mb"], got["tensor_breakdown_mb"])
 
 
+@pytest.mark.slow
 def test_sharded_modes_train_alike_and_hold_what_the_formulas_say():
     """ddp, zero1, fsdp (torch's collectives, and commlab's shm through FSDP2's custom
     comm hooks), fsdp:noreshard: the same transformer, seed, data and AdamW end with the
@@ -499,6 +502,7 @@ def test_the_exposed_sync_splits_at_the_last_ranks_arrival():
     assert trace.exposed_split(records)["after_arrival"] is None
 
 
+@pytest.mark.slow
 def test_trace_is_a_chrome_trace_that_agrees_with_the_table(tmp_path):
     """--trace: a Chrome trace-event JSON per mode (a process per rank; compute,
     communication and exposed-sync tracks), from the very timestamps the table sums: the
@@ -665,6 +669,7 @@ def test_a_trace_loads_in_perfettos_trace_processor(tmp_path):
         tp.close()
 
 
+@pytest.mark.slow
 def test_core_drift_counts_each_ranks_work_per_window():
     """scripts/core_drift.py, the evidence for the waiting's noise: equal ranks' chunks of
     work per window, from the last rank's start, whole windows only."""

@@ -125,6 +125,7 @@ def test_the_emulated_host_measurements_predict_what_was_left_out():
         assert not bad, bad
 
 
+@pytest.mark.slow
 def test_one_level_fit_of_another_collective_names_its_winners_per_size_range(tmp_path):
     """costmodel --from a bench JSON of all_to_all fits that family's formulas (pairwise,
     bruck) and prints who wins each size range: Bruck's log2 p steps below the crossover
@@ -154,6 +155,7 @@ def test_one_level_fit_of_another_collective_names_its_winners_per_size_range(tm
 
 
 @pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's mmap threshold")
+@pytest.mark.slow
 def test_first_touch_is_measured_per_size_as_the_allocator_recycles():
     """A freed buffer below glibc's mmap threshold (raised to each freed mapping, at most 32
     MiB) comes back from the heap without faults; above it every allocation is mapped

@@ -350,7 +350,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("signal_name", ["SIGKILL", pytest.param("SIGTERM", marks=pytest.mark.slow)])
 def test_ranks_end_when_the_process_that_started_them_dies(tmp_path, signal_name):
     """A compare run or test session killed (a scheduler's SIGTERM, an OOM killer's SIGKILL)
     must not leave its ranks training on for minutes, nor their working directory."""

@@ -413,6 +413,7 @@ def test_a_buckets_time_runs_from_its_hand_over(ranks):
     assert 190 <= first["comm_ms"] < 400 and second["comm_ms"] >= 390, got  # 200 waiting + 200 of its own
 
 
+@pytest.mark.slow
 def test_a_state_one_rank_never_creates_is_an_error_on_every_rank(tmp_path):
     """Rank 0 creates a CommState rank 1 never creates, while rank 1 waits on rank 0 in
     its first bucket: rank 0 raises the rule after COMMLAB_SETUP_TIMEOUT, and rank 1

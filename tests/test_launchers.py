@@ -56,6 +56,7 @@ def test_each_launchers_variables(bare_env):
     assert launch.detect().kind == "torchrun"
 
 
+@pytest.mark.slow
 def test_a_batch_script_is_one_process_not_rank_0():
     """sbatch -n 8 runs its script once with SLURM_PROCID=0 and SLURM_NTASKS=8, outside
     any step: taking it for rank 0 of 8 would wait for 7 peers that never come."""
@@ -257,6 +258,7 @@ launch.leave()
 """
 
 
+@pytest.mark.slow
 def test_a_one_host_job_of_launcher_variables_alone_never_waits_for_its_store(tmp_path):
     """Ranks that only have the launcher's variables (MPICH's hydra here, without mpi4py) and
     share one host: the job's port was derived from its id, and CI found it held by another
@@ -322,6 +324,7 @@ def test_a_note_left_by_a_dead_rank_0_is_not_read(tmp_path, monkeypatch):
         launch.one_host_store(me, 1.0)
 
 
+@pytest.mark.slow
 def test_the_launches_of_the_tests_leave_nothing_in_the_systems_temporary_directory(tmp_path):
     """torchrun, as the tests start it (their environment), writes its log directory under
     the suite's private TMPDIR (conftest), not as a torchelastic_* left in the system's."""

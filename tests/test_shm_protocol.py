@@ -239,6 +239,7 @@ def test_survivors_of_a_failed_setup_unlink_every_name():
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+@pytest.mark.slow
 def test_peers_in_another_pid_namespace_are_not_declared_dead():
     """Rank 1 runs in a PID namespace of its own, under a pid that does not exist outside
     it, and is late for a call: rank 0 must wait for it, not call it dead."""
