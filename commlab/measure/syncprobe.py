@@ -22,7 +22,7 @@ table reads in training:
 after the last arrival (the bench's loop: 14), its reduce-scatter 31-36 (27), the ranks
 leaving 3-4 ms apart; commlab's shm 4-5.5 ms (the bench: 1.8 and 2.5), 2-3 ms apart. In
 training (FSDP, 12.6 MB blocks) gloo's calls took 27 ms on average and shm's 5.6
-(docs/measurements.md). Those were reused buffers at 16 MiB. Session 24, the issue's
+(docs/measurements.md). Those were reused buffers at 16 MiB. At 505bb5e, the issue's
 1024x8 model (48 MiB blocks), FSDP's calls after the last arrival in training (median) /
 this probe at 48 MiB, fresh buffers / the same reused: gloo's all-gather 112 / 141 / 95 ms,
 its reduce-scatter 125 / 128 / 133, shm's 45 / 46 / 15 and 28 / 34 / 15 — the pages a
