@@ -108,6 +108,7 @@ def test_where_nothing_fits_advise_predicts_accumulation_and_recomputation_at_th
     device does not fit, the least it could take is named (where the parameters, gradients
     and optimizer state alone do not fit, which neither option shrinks, nothing is tried)."""
     from commlab.training.predict import model as M
+    from commlab.training.predict import per_mode
 
     got = {}
     for limit in (120, 60, 16, 10):
@@ -121,7 +122,7 @@ def test_where_nothing_fits_advise_predicts_accumulation_and_recomputation_at_th
         accum = int(verdict.split("--accum-steps ")[1]) if "--accum-steps" in verdict else 1
         s = M.Setup("transformer", world=4, batch_size=256, width=256, depth=2, optimizer="adamw",
                     checkpoint="--checkpoint" in verdict, accum_steps=accum)
-        again = M.predict([mode], s, prof)[0]
+        again = per_mode.predict([mode], s, prof)[0]
         assert max(again["peak_memory_mb"]) <= limit and f"{max(again['peak_memory_mb']):.0f} MB" in f.reason
         assert f"{again['iter_ms']['median']:.1f} ms per iteration" in f.reason
         # The fastest that fits: no option tried is faster and fits.

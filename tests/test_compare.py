@@ -188,6 +188,7 @@ def test_sharded_modes_accumulate_autocast_and_checkpoint_as_ddp_does():
     from commlab.training import workloads
     from commlab.training.compare import cli
     from commlab.training.predict import model as M
+    from commlab.training.predict import per_mode
 
     args = {"device": "cpu", "share_gpu": False, "timeout": 60.0, "mem_limit_mb": None, "model": "transformer",
             "width": 64, "depth": 2, "input_shape": None, "checkpoint": False, "bucket_cap_mb": 25.0, "lr": 1e-3,
@@ -217,7 +218,7 @@ def test_sharded_modes_accumulate_autocast_and_checkpoint_as_ddp_does():
                 assert rows[m]["comm_mb"] * 2**20 == pytest.approx(k * 4 * n, rel=0.05), (flags, m)
         setup = M.Setup(model="transformer", world=2, batch_size=8, width=64, depth=2, optimizer="adamw",
                         amp=run["amp"], checkpoint=run["checkpoint"], accum_steps=2)
-        for r in M.predict(list(rows), setup, host):
+        for r in per_mode.predict(list(rows), setup, host):
             got = rows[r["mode"]]
             assert r["comm_mb"] == pytest.approx(got["comm_mb"], rel=0.01), (flags, r["mode"])
             assert r["tensor_mb"] == pytest.approx(got["tensor_mb"], rel=0.10), (
@@ -275,6 +276,7 @@ def test_sharded_modes_train_alike_and_hold_what_the_formulas_say():
     # commlab.predict follows the same tensors through its schedule of the step: each
     # mode's peak within 10 % of what the ranks measured, and the same bytes on the wire.
     from commlab.training.predict import model as M
+    from commlab.training.predict import per_mode
 
     fit = {"alpha_us": 50.0, "beta_us_per_byte": 1e-3, "gamma_us_per_byte": 1e-4}
     host = M.Profile(name="t", description="", device="cpu", memory_bytes=0.0, memory_bandwidth_gbps=0.0,
@@ -282,7 +284,7 @@ def test_sharded_modes_train_alike_and_hold_what_the_formulas_say():
                      fits={c: {"builtin": fit, "shm": fit} for c in ("all_reduce", "all_gather", "reduce_scatter",
                                                                      "broadcast")})
     setup = M.Setup(model="transformer", world=p, batch_size=8, width=64, depth=2, optimizer="adamw")
-    for r in M.predict(list(rows), setup, host):
+    for r in per_mode.predict(list(rows), setup, host):
         assert r["status"] == "ok", r
         got = rows[r["mode"]]
         assert r["tensor_mb"] == pytest.approx(got["tensor_mb"], rel=0.10), (r["mode"], r["tensor_breakdown_mb"],

@@ -206,7 +206,7 @@ def test_the_step_profiled_on_a_device_is_the_last_warm_up_step(monkeypatch):
     """Warm (NCCL's communicators and the allocator settled by the earlier steps) and not
     one the table times; every warm-up step still runs once, so every mode trains the same
     number of steps as on CPU."""
-    from commlab.training.compare import metrics, workers
+    from commlab.training.compare import metrics, steps
 
     ran, profiled = [], []
 
@@ -216,9 +216,9 @@ def test_the_step_profiled_on_a_device_is_the_last_warm_up_step(monkeypatch):
         return {"total": 1.0, "exposed": 0.5}
 
     monkeypatch.setattr(metrics, "profiled_sync_ms", profile)
-    assert workers.warm_up(ran.append, 3, True) == {"total": 1.0, "exposed": 0.5}
+    assert steps.warm_up(ran.append, 3, True) == {"total": 1.0, "exposed": 0.5}
     assert ran == [0, 1, 2] and profiled == [2]
     ran.clear()
-    assert workers.warm_up(ran.append, 3, False) is None and ran == [0, 1, 2]
+    assert steps.warm_up(ran.append, 3, False) is None and ran == [0, 1, 2]
     with pytest.raises(ValueError, match="warm-up step"):
-        workers.warm_up(ran.append, 0, True)
+        steps.warm_up(ran.append, 0, True)

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from commlab.training.predict import model as M
+
+from commlab.training.predict import per_mode
 from commlab.training.predict.graph import trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -138,7 +140,7 @@ def test_ddp_given_its_cap_makes_the_first_bucket_that_size_too(tmp_path):
         order = M.ready_order(st)
         tensors = [torch.empty(st.params[i] // 4) for i in order]
         want, _ = dist._compute_bucket_assignment_by_size(tensors, [first, 25 << 20], [False] * len(order), order)
-        row = M.predict(["ddp"], s, M.load_profile("rtx4090-pcie4"), M.Steps(s))[0]
+        row = per_mode.predict(["ddp"], s, M.load_profile("rtx4090-pcie4"), M.Steps(s))[0]
         assert row["breakdown"]["buckets"] == len(want), given
         counts[given] = len(want)
     assert counts[False] == counts[True] + 1  # this model: the 1 MiB first bucket is one more
@@ -168,7 +170,7 @@ def test_a_profile_prices_compute_and_links_from_its_own_numbers():
     n = 25 << 20
     ring = M.allreduce_us(prof, "builtin", 4, n)
     assert ring == pytest.approx(8.4 + 6 * 5.7 + 1.5 * n / 28.8e3 + 0.75 * n * 3 / 1008e3)
-    rows = {r["mode"]: r for r in M.predict(["dp", "ddp", "ddp:noop", "ddp:ring", "ddp:nope"], s, prof, steps)}
+    rows = {r["mode"]: r for r in per_mode.predict(["dp", "ddp", "ddp:noop", "ddp:ring", "ddp:nope"], s, prof, steps)}
     assert rows["ddp:nope"]["status"] == "unavailable"
     noop, ddp, dp = rows["ddp:noop"], rows["ddp"], rows["dp"]
     assert all(r["predicted"] for r in rows.values())
@@ -190,7 +192,7 @@ def test_a_faster_link_shrinks_only_communication():
     steps = M.Steps(s)
     slow, fast = M.load_profile("rtx4090-pcie4"), M.load_profile("rtx4090-pcie4")
     fast.link = dict(fast.link, gbps=10 * fast.link["gbps"])
-    a, b = (M.predict(["ddp", "dp"], s, p, steps) for p in (slow, fast))
+    a, b = (per_mode.predict(["ddp", "dp"], s, p, steps) for p in (slow, fast))
     assert b[0]["grad_sync_ms"]["total"] < a[0]["grad_sync_ms"]["total"] and b[1]["iter_ms"]["median"] < a[1]["iter_ms"]["median"]
     assert a[0]["breakdown"]["backward_ms"] == b[0]["breakdown"]["backward_ms"]
 
@@ -207,7 +209,7 @@ def test_where_ranks_outnumber_cores_the_buckets_share_backwards_cores():
 
     prof = dataclasses.replace(M.load_profile("rtx4090-pcie4"), overlap=False)
     s = M.Setup("mlp", world=4, batch_size=256, width=1024, depth=4, bucket_cap_mb=1)
-    rows = {r["mode"]: r for r in M.predict(["ddp", "ddp:noop"], s, prof)}
+    rows = {r["mode"]: r for r in per_mode.predict(["ddp", "ddp:noop"], s, prof)}
     ddp, noop = rows["ddp"], rows["ddp:noop"]
     sync = ddp["grad_sync_ms"]
     assert ddp["breakdown"]["buckets"] > 2
@@ -232,7 +234,7 @@ def test_the_peak_at_a_larger_batch_is_the_one_traced_there():
 def _sharded(prof, modes=("ddp", "zero1", "fsdp", "fsdp:noreshard", "fsdp:ring"), p=4):
     s = M.Setup("transformer", world=p, batch_size=16, width=256, depth=4, optimizer="adamw")
     steps = M.Steps(s)
-    return steps.at(s.batch_size // p), {r["mode"]: r for r in M.predict(list(modes), s, prof, steps)}
+    return steps.at(s.batch_size // p), {r["mode"]: r for r in per_mode.predict(list(modes), s, prof, steps)}
 
 
 def test_sharding_divides_what_each_device_holds_as_the_formulas_say():
@@ -274,7 +276,7 @@ def test_zero1_saves_ddp_exactly_the_sharded_optimizer_state_with_or_without_che
         s = M.Setup("transformer", world=p, batch_size=256, width=256, depth=2, optimizer="adamw",
                     checkpoint=checkpoint)
         steps = M.Steps(s)
-        rows = {r["mode"]: r for r in M.predict(["ddp", "zero1", "fsdp"], s, prof, steps)}
+        rows = {r["mode"]: r for r in per_mode.predict(["ddp", "zero1", "fsdp"], s, prof, steps)}
         state = 2 * steps.at(s.micro_batch()).param_bytes  # AdamW's two moments
         ddp, zero1 = (max(rows[m]["peak_memory_mb"]) * 2**20 for m in ("ddp", "zero1"))
         assert ddp - zero1 == pytest.approx(state * (p - 1) / p, rel=1e-6), checkpoint
@@ -334,7 +336,7 @@ def test_this_host_fits_every_collective_the_sharded_modes_use():
     assert prof.fits["all_gather"]["shm"]["alpha_us"] == pytest.approx(a, rel=1e-3)
     s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
     steps = M.Steps(s)
-    row = M.predict(["fsdp:shm"], s, prof, steps)[0]
+    row = per_mode.predict(["fsdp:shm"], s, prof, steps)[0]
     st = steps.at(2)
     sizes = [sum(st.params[i] for i in u.params) for u in st.units]  # blocks, then the root
     cost = lambda c, n: algorithms.registry(c).get("shm").cost(p, n).time(a, b, 0.0)  # noqa: E731
@@ -348,7 +350,7 @@ def test_this_host_fits_every_collective_the_sharded_modes_use():
     # reused buffers never pay, measured on one idle process, stretched as 4 ranks share 2 cores.
     touched = M.this_host(benches, compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0,
                           first_touch_us_per_byte=1e-4)
-    again = M.predict(["fsdp:shm"], s, touched, steps)[0]
+    again = per_mode.predict(["fsdp:shm"], s, touched, steps)[0]
     outputs = sum(2 * n + n / p for n in sizes[:-1]) + sizes[-1] + sizes[-1] / p
     assert (again["grad_sync_ms"]["total"] - row["grad_sync_ms"]["total"]) * 1e3 == pytest.approx(
         2 * 1e-4 * outputs, rel=1e-6)
@@ -362,7 +364,7 @@ def test_this_host_fits_every_collective_the_sharded_modes_use():
                           first_touch_us_per_byte=table)
     assert stepped.first_touch_us_per_byte == [[1, 0.0], [big, 2e-4]]  # stretched: 4 ranks share 2 cores
     assert M.first_touch_us(stepped, big - 1) == 0.0 and M.first_touch_us(stepped, big) == pytest.approx(2e-4 * big)
-    third = M.predict(["fsdp:shm"], s, stepped, steps)[0]
+    third = per_mode.predict(["fsdp:shm"], s, stepped, steps)[0]
     gathered = sum(2 * n for n in sizes[:-1] if n >= big) + (sizes[-1] if sizes[-1] >= big else 0)
     assert (third["grad_sync_ms"]["total"] - row["grad_sync_ms"]["total"]) * 1e3 == pytest.approx(
         2e-4 * gathered, rel=1e-6)  # the all-gathers' block-sized outputs; the reduce-scatters' quarters, none
@@ -384,8 +386,8 @@ def test_this_host_charges_fsdp_the_waits_at_every_unit():
     s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
     steps = M.Steps(s)
     modes = ["ddp", "zero1", "fsdp:shm", "fsdp:noreshard"]
-    before = {r["mode"]: r["grad_sync_ms"] for r in M.predict(modes, s, base, steps)}
-    after = {r["mode"]: r["grad_sync_ms"] for r in M.predict(modes, s, units, steps)}
+    before = {r["mode"]: r["grad_sync_ms"] for r in per_mode.predict(modes, s, base, steps)}
+    after = {r["mode"]: r["grad_sync_ms"] for r in per_mode.predict(modes, s, units, steps)}
     for mode, wait in (("ddp", 5.0), ("zero1", 5.0), ("fsdp:shm", 70.0), ("fsdp:noreshard", 30.0)):
         # Without the marks every mode is charged the one figure per step (5 ms).
         assert before[mode]["exposed"] - before[mode]["after_arrival"] == pytest.approx(5.0), mode
@@ -397,13 +399,13 @@ def test_this_host_charges_fsdp_the_waits_at_every_unit():
     spread = M.this_host(benches, **kw, unit_waits_ms={"fbe": 70.0, "fe": 30.0},
                          wait_se_ms={"step": 2.0, "fbe": 9.0, "fe": 4.0, "unused": None})
     assert spread.wait_se_ms == {"step": 2.0, "fbe": 9.0, "fe": 4.0}
-    got = {r["mode"]: r["grad_sync_ms"] for r in M.predict(modes, s, spread, steps)}
+    got = {r["mode"]: r["grad_sync_ms"] for r in per_mode.predict(modes, s, spread, steps)}
     assert {m: got[m]["exposed_se"] for m in modes} == {"ddp": 2.0, "zero1": 2.0, "fsdp:shm": 9.0,
                                                         "fsdp:noreshard": 4.0}
     assert {m: got[m]["exposed"] for m in modes} == {m: after[m]["exposed"] for m in modes}
     # Without the marks FSDP is charged the one figure, and its spread.
     no_units = M.this_host(benches, **kw, wait_se_ms={"step": 2.0})
-    assert M.predict(["fsdp:shm"], s, no_units, steps)[0]["grad_sync_ms"]["exposed_se"] == 2.0
+    assert per_mode.predict(["fsdp:shm"], s, no_units, steps)[0]["grad_sync_ms"]["exposed_se"] == 2.0
 
 
 def test_this_host_charges_ddp_the_drift_through_its_optimizer_and_zero1_not():
@@ -417,13 +419,13 @@ def test_this_host_charges_ddp_the_drift_through_its_optimizer_and_zero1_not():
     s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
     steps = M.Steps(s)
     prof = M.this_host(benches, **kw, unit_waits_ms={"step_start": 15.0}, wait_se_ms={"step": 4.0, "step_start": 3.0})
-    got = {r["mode"]: r for r in M.predict(["ddp", "zero1"], s, prof, steps)}
+    got = {r["mode"]: r for r in per_mode.predict(["ddp", "zero1"], s, prof, steps)}
     for mode, wait, se in (("ddp", 40.0, 4.0), ("zero1", 15.0, 3.0)):
         sync = got[mode]["grad_sync_ms"]
         assert sync["exposed"] - sync["after_arrival"] == pytest.approx(wait), mode
         assert sync["exposed_se"] == se, mode
     # ZeRO-1's other figures are DDP's, its broadcasts added: only the wait differs.
-    old = {r["mode"]: r for r in M.predict(["ddp", "zero1"], s, M.this_host(benches, **kw), steps)}
+    old = {r["mode"]: r for r in per_mode.predict(["ddp", "zero1"], s, M.this_host(benches, **kw), steps)}
     z, z0 = got["zero1"]["grad_sync_ms"], old["zero1"]["grad_sync_ms"]
     assert z["after_arrival"] == pytest.approx(z0["after_arrival"])
     assert z["total"] == pytest.approx(z0["total"] - 40.0 + 15.0)
@@ -450,8 +452,8 @@ def test_this_host_prices_fsdps_calls_as_training_issues_them():
     s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
     steps = M.Steps(s)
     for mode, drift in (("fsdp:shm", 7.0), ("fsdp:noreshard", 3.0)):
-        before = M.predict([mode], s, base, steps)[0]["grad_sync_ms"]
-        after = M.predict([mode], s, slow, steps)[0]["grad_sync_ms"]
+        before = per_mode.predict([mode], s, base, steps)[0]["grad_sync_ms"]
+        after = per_mode.predict([mode], s, slow, steps)[0]["grad_sync_ms"]
         assert before["exposed"] - before["after_arrival"] == pytest.approx(drift)  # no probe: the drift alone
         # Every call twice the bench's (no page faults priced here): twice the communication.
         assert after["after_arrival"] == pytest.approx(2 * before["after_arrival"], rel=1e-9)
@@ -460,14 +462,14 @@ def test_this_host_prices_fsdps_calls_as_training_issues_them():
         # The probe's calls write fresh buffers as FSDP2's do: their page faults are in its
         # ratio, not charged again; without a probe a fresh output's faults are.
         touch = dict(first_touch_us_per_byte=1e-4)
-        probed = M.predict([mode], s, M.this_host(benches, **kw, **touch, in_training=probe), steps)[0]
+        probed = per_mode.predict([mode], s, M.this_host(benches, **kw, **touch, in_training=probe), steps)[0]
         assert probed["grad_sync_ms"]["after_arrival"] == pytest.approx(after["after_arrival"], rel=1e-9)
-        unprobed = M.predict([mode], s, M.this_host(benches, **kw, **touch), steps)[0]
+        unprobed = per_mode.predict([mode], s, M.this_host(benches, **kw, **touch), steps)[0]
         assert unprobed["grad_sync_ms"]["after_arrival"] > before["after_arrival"]
         # A probe that timed nothing (no call after the last arrival) is no probe: the
         # bench's time and the fresh output's faults, as without one.
         empty = {c: {n: {**v, "after_us": 0.0} for n, v in by.items()} for c, by in probe.items()}
-        void = M.predict([mode], s, M.this_host(benches, **kw, **touch, in_training=empty), steps)[0]
+        void = per_mode.predict([mode], s, M.this_host(benches, **kw, **touch, in_training=empty), steps)[0]
         assert void["grad_sync_ms"] == pytest.approx(unprobed["grad_sync_ms"], rel=1e-9)
 
 
@@ -498,7 +500,7 @@ def test_this_host_prices_fsdps_calls_between_the_allocators_two_states():
     s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
     steps = M.Steps(s)
     for mode in ("fsdp", "fsdp:shm", "fsdp:noreshard"):
-        fresh, recycled, mid = (M.predict([mode], s, M.this_host(benches, **kw, in_training=pr), steps)[0]
+        fresh, recycled, mid = (per_mode.predict([mode], s, M.this_host(benches, **kw, in_training=pr), steps)[0]
                                 for pr in (probe(3.0), probe(1.5), both))
         for key in ("exposed", "after_arrival", "total"):
             assert mid["grad_sync_ms"][key] == pytest.approx(
@@ -533,8 +535,8 @@ def test_this_host_prices_what_is_left_of_ddps_buckets_after_backward_as_the_pro
                                         "exit_spread_us": 0.0, "bytes": n}}}
     probe["all_reduce"]["builtin"]["exit_spread_us"] = probe["all_reduce"]["builtin"]["after_us"] / 10
     slow = M.this_host(benches, **kw, in_training=probe)
-    before = M.predict(["ddp", "ddp:shm"], s, base, steps)
-    after = M.predict(["ddp", "ddp:shm"], s, slow, steps)
+    before = per_mode.predict(["ddp", "ddp:shm"], s, base, steps)
+    after = per_mode.predict(["ddp", "ddp:shm"], s, slow, steps)
     tail = before[0]["grad_sync_ms"]["after_arrival"]
     assert tail > 0
     assert after[0]["grad_sync_ms"]["after_arrival"] == pytest.approx(3 * tail, rel=1e-9)
@@ -569,8 +571,8 @@ def test_this_host_prices_zero1s_broadcasts_as_its_probe_timed_them_together():
     priced = sum(M.collective_us(base, "broadcast", "builtin", p, n) for n in params)
     probe = {ZERO1: {"builtin": {"after_us": 0.6 * priced, "exit_spread_us": 0.1 * priced, "bytes": sum(params),
                                  "sizes": list(params)}}}
-    before = M.predict(["zero1"], s, base, steps)[0]
-    after = M.predict(["zero1"], s, M.this_host(benches, **kw, in_training=probe), steps)[0]
+    before = per_mode.predict(["zero1"], s, base, steps)[0]
+    after = per_mode.predict(["zero1"], s, M.this_host(benches, **kw, in_training=probe), steps)[0]
     assert before["breakdown"]["broadcast_ms"] == pytest.approx(priced / 1e3)
     assert after["breakdown"]["broadcast_ms"] == pytest.approx(0.6 * priced / 1e3)
     assert S.zero1_broadcasts_us(M.this_host(benches, **kw, in_training=probe), p, params) == pytest.approx(
@@ -603,7 +605,7 @@ def test_this_host_charges_zero1_the_wait_at_its_broadcasts_after_its_optimizer(
     phase = {"after_us": 5e3, "exit_spread_us": 0.0, "bytes": 1, "sizes": [1], "state": "adamw",
              "wait_mean_us": 30e3, "wait_mean_se_us": 4e3, "work_to_last_us": 50e3}
     fixed = dict(phase, state="fresh")
-    before, after = (M.predict(["zero1"], s, M.this_host(benches, **kw, in_training={ZERO1: {"builtin": g}}), steps)[0]
+    before, after = (per_mode.predict(["zero1"], s, M.this_host(benches, **kw, in_training={ZERO1: {"builtin": g}}), steps)[0]
                      for g in (fixed, phase))
     gap = lambda r: r["grad_sync_ms"]["exposed"] - r["grad_sync_ms"]["after_arrival"]  # noqa: E731
     assert gap(before) == pytest.approx(15.0) and before["grad_sync_ms"]["exposed_se"] == 3.0
@@ -661,7 +663,7 @@ def test_accumulation_computes_every_micro_step_and_communicates_as_compare_does
     for k in (1, 2):
         s = M.Setup("transformer", world=p, batch_size=32, width=256, depth=4, optimizer="adamw", accum_steps=k)
         steps = M.Steps(s)
-        rows[k] = {r["mode"]: r for r in M.predict(["ddp", "zero1", "fsdp", "fsdp:noreshard", "dp"], s, prof, steps)}
+        rows[k] = {r["mode"]: r for r in per_mode.predict(["ddp", "zero1", "fsdp", "fsdp:noreshard", "dp"], s, prof, steps)}
     st = steps.at(s.micro_batch())
     n, root = st.param_bytes, sum(st.params[i] for i in st.units[-1].params)
     one, two = rows[1], rows[2]
@@ -699,9 +701,9 @@ def test_max_batch_is_the_largest_that_fits():
     prof = M.load_profile("rtx4090-pcie4")
     limit = 8 << 30
     for mode in ("dp", "ddp"):
-        got = M.max_batch(mode, s, prof, steps, limit)
+        got = per_mode.max_batch(mode, s, prof, steps, limit)
         assert got % 4 == 0
-        mem = [max(M.predict([mode], M.Setup("resnet50", world=4, batch_size=b), prof, steps)[0]["peak_memory_mb"])
+        mem = [max(per_mode.predict([mode], M.Setup("resnet50", world=4, batch_size=b), prof, steps)[0]["peak_memory_mb"])
                for b in (got, got + 4)]
         assert mem[0] * 2**20 <= limit < mem[1] * 2**20
 

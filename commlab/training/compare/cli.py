@@ -161,6 +161,7 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
     the run (compare takes one after the first compute-only step); one more is taken now,
     and they are pooled."""
     from commlab.training.predict import model as M
+    from commlab.training.predict import per_mode
 
     s = M.Setup(model=args["model"], world=world, batch_size=args["batch_size"], bucket_cap_mb=args["bucket_cap_mb"],
                 bucket_cap_given=True,  # compare's DDP is always given its cap
@@ -180,7 +181,7 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
                            noop.get("unit_waits_ms"), probes, noop.get("wait_se_ms"))
     else:
         prof = M.load_profile(profile)
-    rows = M.predict(wanted, s, prof)
+    rows = per_mode.predict(wanted, s, prof)
     for r in rows:  # what it was predicted from (this-host: the fits, the compute step), with every row
         r["profile"] = dataclasses.asdict(prof)
     return rows

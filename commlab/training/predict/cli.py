@@ -25,6 +25,7 @@ import sys
 from commlab.training import workloads
 from commlab.training.compare import report
 from commlab.training.predict import model as M
+from commlab.training.predict import per_mode
 from commlab.training.predict import sharded
 
 NOT_MODELLED = ("not modelled: kernel launch and Python overhead (DP's replica threads share one interpreter), "
@@ -75,12 +76,12 @@ def main(argv=None) -> int:
         steps = M.Steps(s)
     except ValueError as e:
         ap.error(str(e))
-    rows = M.predict(modes, s, prof, steps)
+    rows = per_mode.predict(modes, s, prof, steps)
     if a.find_max_batch:
         limit = (a.mem_limit_mb * 2**20) if a.mem_limit_mb else prof.memory_bytes
         for r in rows:
             if r["status"] == "ok":
-                r["max_batch"] = M.max_batch(r["mode"], s, prof, steps, limit)
+                r["max_batch"] = per_mode.max_batch(r["mode"], s, prof, steps, limit)
     env = {"predicted": True, "hardware": prof.name, "profile": prof.description, "device": prof.device,
            "world_size": a.gpus, "model": a.model, "batch_size": a.batch_size, "bucket_cap_mb": a.bucket_cap_mb,
            "amp": a.amp, "checkpoint": a.checkpoint, "optimizer": optimizer, "accum_steps": a.accum_steps}

@@ -280,7 +280,7 @@ def ready_order(st: Step) -> list[int]:
     return sorted(range(len(st.params)), key=lambda i: (st.grad_ready.get(i, len(st.ops)), -i))
 
 
-def _step_times(s: Setup, prof: Profile, steps: Steps):
+def step_times(s: Setup, prof: Profile, steps: Steps):
     """The per-device micro-step of a setup and its operations' times: (per-device batch,
     micro-step, per-op µs, one micro-step's forward and backward µs, the optimizer's)."""
     b = max(1, s.batch_size // s.world)
@@ -324,7 +324,7 @@ def shared_cores(ready: list[float], costs: list[float], compute_end: float) -> 
 
 def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
     p = s.world
-    b, st, t, fwd, bwd, opt = _step_times(s, prof, steps)
+    b, st, t, fwd, bwd, opt = step_times(s, prof, steps)
     done = [0.0]
     for x in t:
         done.append(done[-1] + x)
@@ -364,20 +364,20 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
         exposed += waiting
     info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / 1e3,
             "buckets": len(bks), **({"backward_slowed_by_sync_ms": slowed / 1e3} if slowed else {}),
-            "per_device_batch": b, **_micro(s)}
+            "per_device_batch": b, **micro(s)}
     # compare's tensor bytes: parameters, gradients, DDP's bucket copies of them
     # (gradient_as_bucket_view=False; the reducer holds them in every DDP mode), optimizer state.
     held = {"parameters": st.param_bytes, "gathered": 0, "gradients": st.param_bytes,
             "optimizer_state": state_bytes(st), "buckets": st.param_bytes}
     comm = st.param_bytes if bks else 0
     if prof.device == "cpu":  # compare reports peak RSS (interpreter and torch too) and CPU time: not modelled
-        return _row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm, waiting,
+        return row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm, waiting,
                     wait_se)
     # Weights, the step's peak of everything else (activations, gradients, temporaries), the
     # input batch, DDP's bucket copies of the gradients and the optimizer's state.
     mem = st.param_bytes + st.buffers_bytes + st.peak_bytes + st.input_bytes + (st.param_bytes if bks else 0) \
         + state_bytes(st)
-    return _row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm, waiting, wait_se)
+    return row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm, waiting, wait_se)
 
 
 def predict_dp(s: Setup, prof: Profile, steps: Steps) -> dict:
@@ -385,7 +385,7 @@ def predict_dp(s: Setup, prof: Profile, steps: Steps) -> dict:
         return {"mode": "dp", "status": "unavailable", "predicted": True,
                 "reason": "nn.DataParallel replicates a module across CUDA devices; this profile has none"}
     p = s.world
-    b, st, _, fwd, bwd, opt = _step_times(s, prof, steps)
+    b, st, _, fwd, bwd, opt = step_times(s, prof, steps)
     link = prof.link
     per_us = link["gbps"] * 1e3
     lat = link["call_latency_us"] + (p - 1) * link["step_latency_us"]
@@ -404,13 +404,13 @@ def predict_dp(s: Setup, prof: Profile, steps: Steps) -> dict:
     main = replica + st.param_bytes + batch_in + batch_out
     # the others idle while device 0 scatters, gathers, steps
     busy = 100.0 * s.accum_steps * (replicate + fwd + bwd + reduce) / it
-    return _row("dp", s, it, [main] + [replica] * (p - 1), [100.0] + [busy] * (p - 1), comm, comm,
+    return row("dp", s, it, [main] + [replica] * (p - 1), [100.0] + [busy] * (p - 1), comm, comm,
                 {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": opt / 1e3,
                  "scatter_ms": scatter / 1e3, "replicate_ms": replicate / 1e3, "gather_ms": gather / 1e3,
-                 "reduce_ms": reduce / 1e3, "per_device_batch": b, **_micro(s)})
+                 "reduce_ms": reduce / 1e3, "per_device_batch": b, **micro(s)})
 
 
-def _micro(s: Setup) -> dict:
+def micro(s: Setup) -> dict:
     """The breakdown's note of accumulation: forward_ms and backward_ms are then one micro-step's."""
     return {"micro_steps": s.accum_steps, "micro_batch": s.micro_batch()} if s.accum_steps > 1 else {}
 
@@ -422,7 +422,7 @@ def state_bytes(st: Step) -> float:
     return STATE_PER_PARAM_BYTE[st.optimizer] * st.param_bytes
 
 
-def _row(mode, s, it_us, mem, util, total_us, exposed_us, breakdown, held=None, comm_bytes=None,
+def row(mode, s, it_us, mem, util, total_us, exposed_us, breakdown, held=None, comm_bytes=None,
          waiting_us: float = 0.0, waiting_se_ms: float | None = None) -> dict:
     """waiting_us: the part of exposed_us charged for waiting on the last rank (compare's
     exposed sync after the last rank's arrival is the rest); waiting_se_ms: its standard error."""
@@ -439,54 +439,3 @@ def _row(mode, s, it_us, mem, util, total_us, exposed_us, breakdown, held=None, 
         row["tensor_breakdown_mb"] = {k: v / 2**20 for k, v in held.items()}
         row["comm_mb"] = comm_bytes / 2**20
     return row
-
-
-def predict(modes: list[str], s: Setup, prof: Profile, steps: Steps | None = None) -> list[dict]:
-    from commlab.training.predict import sharded
-
-    steps = steps or Steps(s)
-    out = []
-    for mode in modes:
-        if mode == "dp":
-            out.append(predict_dp(s, prof, steps))
-        elif mode == "ddp" or mode.startswith("ddp:"):
-            alg = mode[4:] if mode.startswith("ddp:") else "builtin"
-            if alg != "noop" and alg not in algorithms.names():
-                out.append({"mode": mode, "status": "unavailable", "predicted": True, "reason": f"unknown algorithm {alg!r}"})
-                continue
-            try:
-                out.append(predict_ddp(mode, s, prof, steps))
-            except ValueError as e:
-                out.append({"mode": mode, "status": "unavailable", "predicted": True, "reason": str(e)})
-        elif sharded.is_sharded(mode):
-            try:
-                out.append(sharded.predict(mode, s, prof, steps))
-            except ValueError as e:
-                out.append({"mode": mode, "status": "unavailable", "predicted": True, "reason": str(e)})
-        else:
-            out.append({"mode": mode, "status": "unavailable", "predicted": True,
-                        "reason": "predicted modes: dp, ddp, ddp:<algorithm>, ddp:noop, zero1, fsdp, fsdp:noreshard, "
-                                  "fsdp:<algorithm>"})
-    return out
-
-
-def max_batch(mode: str, s: Setup, prof: Profile, steps: Steps, limit_bytes: float, cap: int = 1 << 14) -> int | None:
-    """The largest global batch (a multiple of the world size) whose predicted peak
-    memory fits every device."""
-    from dataclasses import replace
-
-    def fits(bs):
-        row = predict([mode], replace(s, batch_size=bs), prof, steps)[0]
-        return row["status"] == "ok" and max(row["peak_memory_mb"]) * 2**20 <= limit_bytes
-
-    p = s.world
-    if not fits(p):
-        return None
-    lo, hi = p, p
-    while hi < cap and fits(hi * 2):
-        lo, hi = hi * 2, hi * 2
-    hi = min(hi * 2, cap)
-    while hi - lo > p:
-        mid = (lo + hi) // 2 // p * p
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo

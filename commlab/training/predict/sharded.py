@@ -269,7 +269,7 @@ def predict(mode: str, s, prof, steps) -> dict:
         for family in ("all_gather", "reduce_scatter"):
             if alg not in algorithms.registry(family).names():
                 raise ValueError(f"no {family} algorithm {alg!r}")
-    b, st, t, fwd, bwd, opt = M._step_times(s, prof, steps)
+    b, st, t, fwd, bwd, opt = M.step_times(s, prof, steps)
     state = M.state_bytes(st)
     compute = s.accum_steps * (fwd + bwd)
     if mode == "zero1":
@@ -294,7 +294,7 @@ def predict(mode: str, s, prof, steps) -> dict:
                 "optimizer_state": state / p, "buckets": st.param_bytes}
         comm = 2 * st.param_bytes
         info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": stepping / 1e3,
-                "broadcast_ms": bcast / 1e3, "per_device_batch": b, **M._micro(s)}
+                "broadcast_ms": bcast / 1e3, "per_device_batch": b, **M.micro(s)}
     else:
         drift, wait_se = M.wait_charged(prof, "fe" if mode == "fsdp:noreshard" else "fbe")
 
@@ -309,7 +309,7 @@ def predict(mode: str, s, prof, steps) -> dict:
             return it, held, comm, facts, total + waiting, exposed + waiting, waiting
 
         it, held, comm, facts, total, exposed, waiting = step(False)
-        info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, **facts, "per_device_batch": b, **M._micro(s)}
+        info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, **facts, "per_device_batch": b, **M.micro(s)}
         algorithm = fsdp_algorithm(mode)
         if any(prof.in_training.get(c, {}).get(algorithm, {}).get("reused") for c in ("all_gather", "reduce_scatter")):
             # Whether an output is mapped afresh or recycled is the allocator's state at that
@@ -324,12 +324,12 @@ def predict(mode: str, s, prof, steps) -> dict:
             wait_se = ((wait_se or 0.0) ** 2 + half ** 2 / 3) ** 0.5
     busy = 100.0  # as predict_ddp's: NVML counts a collective's kernels as busy, and nothing else waits
     if prof.device == "cpu":
-        return M._row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm, waiting, wait_se)
+        return M.row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm, waiting, wait_se)
     # On a GPU: what the step itself allocates beyond parameters and gradients
     # (activations, temporaries) and the input, beside the tensors held.
     # Activations and temporaries: what forward saves, or more where backward holds more at
     # once (checkpointing recomputes them there): the traced peak less the full gradients it counted.
     acts = max(st.activation_bytes, st.peak_bytes - st.param_bytes)
     mem = sum(held.values()) + acts + st.input_bytes + st.buffers_bytes
-    return M._row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm, waiting, wait_se)
+    return M.row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm, waiting, wait_se)
 

@@ -1,0 +1,58 @@
+"""What the ranks of every compare mode do alike in a training step (DDP's in workers.py,
+ZeRO-1's and FSDP's in sharded.py): DDP's default reduction timed per bucket, one
+optimizer step, the warm-up steps, and the emulated memory limit of CPU ranks."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from commlab.training.compare import metrics
+
+
+def timed_default_hook(stats, bucket):
+    """DDP's default reduction (divide by the world size, dist.all_reduce on DDP's group),
+    with each bucket timed in a hooks.BucketStats: the `ddp` mode."""
+    buf = bucket.buffer()
+    t0 = time.perf_counter()
+    it = stats.begin(bucket)
+    buf.div_(dist.get_world_size())
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+
+    def done(f):
+        stats.finish(it, bucket.index(), buf.numel() * buf.element_size(), t0, time.perf_counter())
+        return f.value()[0]
+
+    return fut.then(done)
+
+
+def optimizer_step(opt, scaler) -> None:
+    """One optimizer step, through the GradScaler when fp16 AMP uses one."""
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+
+
+def emulate_memory_limit(peak_rss: int, rss_before_model: int, limit_mb: float | None) -> None:
+    """CPU has no allocator limit: emulate --mem-limit-mb on what training added to the
+    process, agreed across ranks so they all stop together (every CPU mode alike)."""
+    if not limit_mb:
+        return
+    over = torch.tensor([(peak_rss - rss_before_model) / 2**20], dtype=torch.float64)
+    dist.all_reduce(over, op=dist.ReduceOp.MAX)
+    if over.item() > limit_mb:
+        raise torch.OutOfMemoryError(f"emulated: a rank's training memory peaked at {over.item():.0f} MB, above "
+                                     f"--mem-limit-mb {limit_mb:g}")
+
+
+def warm_up(step, n: int, on_device: bool) -> dict | None:
+    """The n warm-up steps; on_device: the last of them (warm, and not one the table times)
+    under torch.profiler, whose device sync figures it returns (metrics.profiled_sync_ms)."""
+    if on_device and n < 1:
+        raise ValueError("collectives timed on the device are timed in the last warm-up step: warmup must be >= 1")
+    for i in range(n - 1 if on_device else n):
+        step(i)
+    return metrics.profiled_sync_ms(lambda: step(n - 1)) if on_device else None

@@ -1,0 +1,57 @@
+"""A step's prediction for each mode asked: DataParallel's and DDP's priced by model.py,
+ZeRO-1's and FSDP's by sharded.py (which prices with model.py's pieces), and the largest
+batch that fits."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from commlab import algorithms
+from commlab.training.predict import model as M
+from commlab.training.predict import sharded
+
+
+def predict(modes: list[str], s: M.Setup, prof: M.Profile, steps: M.Steps | None = None) -> list[dict]:
+    steps = steps or M.Steps(s)
+    out = []
+    for mode in modes:
+        if mode == "dp":
+            out.append(M.predict_dp(s, prof, steps))
+        elif mode == "ddp" or mode.startswith("ddp:"):
+            alg = mode[4:] if mode.startswith("ddp:") else "builtin"
+            if alg != "noop" and alg not in algorithms.names():
+                out.append({"mode": mode, "status": "unavailable", "predicted": True, "reason": f"unknown algorithm {alg!r}"})
+                continue
+            try:
+                out.append(M.predict_ddp(mode, s, prof, steps))
+            except ValueError as e:
+                out.append({"mode": mode, "status": "unavailable", "predicted": True, "reason": str(e)})
+        elif sharded.is_sharded(mode):
+            try:
+                out.append(sharded.predict(mode, s, prof, steps))
+            except ValueError as e:
+                out.append({"mode": mode, "status": "unavailable", "predicted": True, "reason": str(e)})
+        else:
+            out.append({"mode": mode, "status": "unavailable", "predicted": True,
+                        "reason": "predicted modes: dp, ddp, ddp:<algorithm>, ddp:noop, zero1, fsdp, fsdp:noreshard, "
+                                  "fsdp:<algorithm>"})
+    return out
+
+
+def max_batch(mode: str, s: M.Setup, prof: M.Profile, steps: M.Steps, limit_bytes: float, cap: int = 1 << 14) -> int | None:
+    """The largest global batch (a multiple of the world size) whose predicted peak
+    memory fits every device."""
+    def fits(bs):
+        row = predict([mode], replace(s, batch_size=bs), prof, steps)[0]
+        return row["status"] == "ok" and max(row["peak_memory_mb"]) * 2**20 <= limit_bytes
+
+    p = s.world
+    if not fits(p):
+        return None
+    lo, hi = p, p
+    while hi < cap and fits(hi * 2):
+        lo, hi = hi * 2, hi * 2
+    hi = min(hi * 2, cap)
+    while hi - lo > p:
+        mid = (lo + hi) // 2 // p * p
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
