@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from commlab.training.predict import model as M
-
 from commlab.training.predict import per_mode
 from commlab.training.predict.graph import trace
 

@@ -86,8 +86,8 @@ def test_compare_probes_ddps_bucket_all_reduces_in_place(monkeypatch):
     assert got == {"all_reduce": {"builtin": {"x": 1}, "shm": {"x": 1}}}
     assert sorted(seen) == [("all_reduce", "builtin", 3 << 20, 4), ("all_reduce", "shm", 3 << 20, 4)]
     # A full bucket: --bucket-cap-mb in MiB, or the whole model's gradients where smaller.
-    assert cli.ddp_bucket_bytes({"model": "transformer", "width": 1024, "depth": 8, "bucket_cap_mb": 25}) == 25 << 20
-    assert cli.ddp_bucket_bytes({"model": "mlp", "width": 16, "depth": 2, "bucket_cap_mb": 25}) < 1 << 20
+    assert cli.full_bucket_bytes({"model": "transformer", "width": 1024, "depth": 8, "bucket_cap_mb": 25}) == 25 << 20
+    assert cli.full_bucket_bytes({"model": "mlp", "width": 16, "depth": 2, "bucket_cap_mb": 25}) < 1 << 20
 
 
 def test_the_probe_also_calls_into_buffers_the_allocator_recycled(monkeypatch):
@@ -212,12 +212,12 @@ def test_compare_probes_zero1s_broadcasts_with_the_models_parameters(monkeypatch
     monkeypatch.setattr(syncprobe, "measure_all", lambda world, calls, reps: [seen.append(c) or {"x": 1}
                                                                               for c in calls])
     args = {"model": "mlp", "width": 16, "depth": 2, "bucket_cap_mb": 25}
-    got = cli.probe_in_training(4, ["ddp", "zero1"], 1 << 20, cli.ddp_bucket_bytes(args), cli.param_bytes(args),
+    got = cli.probe_in_training(4, ["ddp", "zero1"], 1 << 20, cli.full_bucket_bytes(args), cli.param_bytes(args),
                                 "adamw")
     assert (syncprobe.ZERO1, "builtin", cli.param_bytes(args), "adamw") in seen  # after the optimizer's step
     assert got[syncprobe.ZERO1] == {"builtin": {"x": 1}}
     seen.clear()
-    cli.probe_in_training(4, ["ddp"], 1 << 20, cli.ddp_bucket_bytes(args), cli.param_bytes(args))
+    cli.probe_in_training(4, ["ddp"], 1 << 20, cli.full_bucket_bytes(args), cli.param_bytes(args))
     assert [c for c, *_ in seen] == ["all_reduce"]  # no zero1 compared: no broadcasts probed
 
 

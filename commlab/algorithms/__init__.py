@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 
+from commlab.core.collectives import COLLECTIVES
 from commlab.core.errors import UnsupportedError
 
 from .base import Algorithm, Context, Cost, Traffic
@@ -19,7 +20,6 @@ for_device = REGISTRY.for_device
 
 REGISTRY.discover(__name__, __path__)
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")  # every family; the others are sub-packages of this one
 
 
 def registry(collective: str) -> Registry:

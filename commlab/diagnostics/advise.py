@@ -202,7 +202,6 @@ def remedies(s, prof, limit_mb: float, device: str, modes: list[str] | None = No
     from dataclasses import replace
 
     from commlab.training.predict import model as M
-
     from commlab.training.predict import per_mode
 
     per_device = max(1, s.batch_size // s.world)

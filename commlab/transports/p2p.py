@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.core import groups
+from commlab.core.collectives import COLLECTIVES
 from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError
 from commlab.core.groups import GroupInfo
 from commlab.core.reduction import SUPPORTED_DTYPES, Op
@@ -54,7 +55,6 @@ _ALL_DTYPES = tuple(SUPPORTED_DTYPES) + tuple(
                                                  "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"))
     if d is not None and d not in SUPPORTED_DTYPES)
 _DTYPES = {d: i for i, d in enumerate(_ALL_DTYPES)}
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 # UNSAFE, for measuring the agreement's price only (docs/measurements.md): ranks that call
 # differently then pair mismatched messages (wrong data, or gloo aborting the process).
 UNAGREED = os.environ.get("COMMLAB_UNSAFE_SKIP_AGREEMENT", "") == "1"

@@ -40,6 +40,7 @@ from commlab.measure import envinfo, launch, trace
 from commlab.measure.launch import check_gpus_per_rank
 from commlab.training import fsdp, workloads
 from commlab.training.compare import report, search, sharded, workers
+from commlab.training.modes import is_sharded
 
 
 def default_modes(device: str) -> list[str]:
@@ -148,9 +149,7 @@ def run_mode(mode: str, world: int, args: dict) -> dict:
 
 
 def _predicted_modes(modes: list[str]) -> list[str]:
-    from commlab.training.predict import sharded as S
-
-    wanted = [m for m in modes if m == "dp" or m == "ddp" or m.startswith("ddp:") or S.is_sharded(m)]
+    wanted = [m for m in modes if m == "dp" or m == "ddp" or m.startswith("ddp:") or is_sharded(m)]
     return list(dict.fromkeys(wanted))  # this-host runs ddp:noop twice: one predicted column
 
 
@@ -241,7 +240,7 @@ def host_sample(world: int, modes: list[str], args: dict) -> dict:
     carried it into every mode."""
     wanted = _predicted_modes(modes)
     return {"benches": [host_bench(world, c, names) for c, names in host_collectives(wanted).items()],
-            "in_training": probe_in_training(world, wanted, largest_unit_bytes(args), ddp_bucket_bytes(args),
+            "in_training": probe_in_training(world, wanted, largest_unit_bytes(args), full_bucket_bytes(args),
                                              param_bytes(args), args.get("optimizer", "sgd"))}
 
 
@@ -304,7 +303,7 @@ def host_collectives(modes: list[str]) -> dict[str, list[str]]:
             need["all_reduce"].append(m[4:])
         elif m == "zero1":
             need.setdefault("broadcast", []).append(S.BROADCAST["cpu"])
-        elif S.is_sharded(m):
+        elif is_sharded(m):
             for c in ("all_gather", "reduce_scatter"):
                 need.setdefault(c, []).append(S.fsdp_algorithm(m))
     return {c: list(dict.fromkeys(names)) for c, names in need.items()}
@@ -327,7 +326,7 @@ def param_bytes(args: dict) -> list[int]:
     return [p.numel() * p.element_size() for p in _meta_model(args).parameters()]
 
 
-def ddp_bucket_bytes(args: dict) -> int:
+def full_bucket_bytes(args: dict) -> int:
     """A full DDP bucket of this model: --bucket-cap-mb (MiB, as DDP reads it), or every
     gradient where they fit in fewer bytes."""
     return max(1, min(int(args["bucket_cap_mb"] * 2**20), sum(param_bytes(args))))
@@ -480,7 +479,7 @@ def main(argv=None) -> int:
         ap.error("--bucket-cap-mb must be positive")
     args["bucket_cap_mb"] = caps[0]
     modes = all_modes(a.device) if a.modes == "all" else (a.modes.split(",") if a.modes else default_modes(a.device))
-    any_sharded = any(sharded.is_sharded(m) for m in modes)
+    any_sharded = any(is_sharded(m) for m in modes)
     if a.model is None:
         args["model"] = "resnet50" if a.device == "cuda" else ("transformer" if any_sharded else "mlp")
     if a.optimizer is None:

@@ -39,10 +39,6 @@ from commlab.training.compare.steps import emulate_memory_limit, optimizer_step,
 from commlab.training.predict.sharded import fsdp_algorithm
 
 
-def is_sharded(mode: str) -> bool:
-    return mode == "zero1" or mode == "fsdp" or mode.startswith("fsdp:")
-
-
 def optimizer(params, args: dict) -> torch.optim.Optimizer:
     if args.get("optimizer", "sgd") == "adamw":
         return torch.optim.AdamW(params, lr=args["lr"])

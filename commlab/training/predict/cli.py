@@ -24,9 +24,9 @@ import sys
 
 from commlab.training import workloads
 from commlab.training.compare import report
+from commlab.training.modes import is_sharded
 from commlab.training.predict import model as M
 from commlab.training.predict import per_mode
-from commlab.training.predict import sharded
 
 NOT_MODELLED = ("not modelled: kernel launch and Python overhead (DP's replica threads share one interpreter), "
                 "kernels below the roofline, the allocator's cache and cuDNN workspaces, data loading")
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(str(e))
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    optimizer = a.optimizer or ("adamw" if any(sharded.is_sharded(m) for m in modes) else "sgd")
+    optimizer = a.optimizer or ("adamw" if any(is_sharded(m) for m in modes) else "sgd")
     given = a.bucket_cap_mb is not None
     a.bucket_cap_mb = a.bucket_cap_mb if given else M.Setup.bucket_cap_mb
     s = M.Setup(model=a.model, world=a.gpus, batch_size=a.batch_size, bucket_cap_mb=a.bucket_cap_mb,

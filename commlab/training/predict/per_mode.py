@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from commlab import algorithms
+from commlab.training.modes import is_sharded
 from commlab.training.predict import model as M
 from commlab.training.predict import sharded
 
@@ -25,7 +26,7 @@ def predict(modes: list[str], s: M.Setup, prof: M.Profile, steps: M.Steps | None
                 out.append(M.predict_ddp(mode, s, prof, steps))
             except ValueError as e:
                 out.append({"mode": mode, "status": "unavailable", "predicted": True, "reason": str(e)})
-        elif sharded.is_sharded(mode):
+        elif is_sharded(mode):
             try:
                 out.append(sharded.predict(mode, s, prof, steps))
             except ValueError as e:

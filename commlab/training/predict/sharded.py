@@ -26,10 +26,6 @@ from commlab.training.predict.graph import Step
 BROADCAST = {"cpu": "builtin", "cuda": "chain"}
 
 
-def is_sharded(mode: str) -> bool:
-    return mode == "zero1" or mode == "fsdp" or mode.startswith("fsdp:")
-
-
 def fsdp_algorithm(mode: str) -> str:
     """The all-gather / reduce-scatter algorithm an fsdp mode names (builtin: FSDP2's own)."""
     rest = mode.split(":", 1)[1] if ":" in mode else ""
