@@ -35,7 +35,7 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, *, algorithm: str = "ri
         raise UnsupportedError(f"commlab: all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
     if not async_op:
         # The fast path: a blocking call like one already planned runs in one transport
-        # call (a 4 KiB shm call spent ~1.5 us in the layers below before it existed).
+        # call, no Python layer below this one.
         try:
             plan = _fast.get((algorithm, id(op), id(group)))
         except TypeError:  # an unhashable algorithm name: let validation explain
@@ -143,9 +143,9 @@ _MAX_PLANS = 256
 
 
 def _plan(tensor: torch.Tensor, op, group, algorithm: str) -> _Plan:
-    # The key is built from the cheapest attributes there are (tensor.device.type alone
-    # costs ~1.2 us, hashing a ReduceOp ~0.5 us; the whole call used to spend ~9 us in
-    # Python against ~4 us in the transport). The op is keyed by identity; the plan keeps
+    # The key is built from the cheapest attributes there are (tensor.device.type and
+    # hashing a ReduceOp cost more than a small shm call's transport: docs/measurements.md#figures-behind-the-codes-choices).
+    # The op is keyed by identity; the plan keeps
     # it alive, so its id cannot be reused while the plan is cached, and an equal op of
     # another identity just takes the slow path.
     try:

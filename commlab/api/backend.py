@@ -246,8 +246,8 @@ class CommlabBackend(_C10dBackend):
         # Run at once, on this thread: a callback of an earlier call's future (torch's hooks
         # chain collectives that way) runs here, in the same place of the sequence on every
         # rank, and a caller that waits on it cannot wait on this thread; a blocking call
-        # with nothing queued saves the hop to the backend's thread and back (~120 us per
-        # call, 2 ranks, 4 KiB).
+        # with nothing queued saves the hop to the backend's thread and back (a visible
+        # share of a small call: docs/measurements.md#figures-behind-the-codes-choices).
         if threading.current_thread() is self._thread or (caller_waits and not self._pending.count):
             _run(job, fut, result)
             return _Work(fut, result)

@@ -121,8 +121,8 @@ def run(plan: Plan, out: torch.Tensor, inp: torch.Tensor, async_op: bool, root: 
 
 # (collective, algorithm, group[, op]) -> the latest plan whose algorithm runs a blocking
 # call below Python: that call checks the rest (dtype, device, layout, sizes) itself, so
-# the key is a few cheap values (a 64 B shm broadcast spent ~4 us in the long way's
-# Python against ~0.4 us in the transport).
+# the key is a few cheap values: a small call's Python is otherwise most of its time
+# (docs/measurements.md#figures-behind-the-codes-choices).
 _fast: dict[tuple, Plan] = {}
 
 

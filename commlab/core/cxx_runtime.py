@@ -1,7 +1,8 @@
 """Is commlab._C linked against the process's shared C++ runtime?
 
-A build whose compiler links libstdc++ statically (the H200 image's /opt/gcc wrapper did,
-2026-12-04) carries a private copy of the runtime beside the one torch loaded: the first
+A build whose compiler links libstdc++ statically (a GPU image's /opt/gcc wrapper did:
+docs/measurements.md#first-gpu-run-one-h200) carries a private copy of the runtime beside
+the one torch loaded: the first
 C++ error message (TORCH_CHECK's ostream, every PeerLostError) segfaulted instead of
 raising. The sign is in the ELF: no libstdc++.so among the libraries it needs. Standalone
 (no package imports), so setup.py loads it by path before anything is built."""

@@ -96,9 +96,8 @@ def measure_first_touch(sizes: list[int] = TOUCH_SIZES) -> list[list]:
     maps an allocation above its mmap threshold afresh (page faults at every first write)
     and raises the threshold to any mapped buffer it frees, up to 32 MiB, after which
     buffers of that size are recycled from the heap, faulting nothing: what a process
-    that allocates the same sizes again and again (FSDP's collectives) pays. 2026-12-05,
-    4 ranks: 12.6 MB outputs fresh cost gloo's all-gather 3.5 ms more than reused ones,
-    50 MB ones 40.6 ms."""
+    that allocates the same sizes again and again (FSDP's collectives) pays (what fresh
+    outputs cost FSDP's all-gathers: docs/measurements.md#figures-behind-the-codes-choices)."""
     return [[n, measure_first_touch_us_per_byte(n)] for n in sorted(sizes)]
 
 

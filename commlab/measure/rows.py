@@ -52,7 +52,7 @@ def registry_rows(names: list[str], device, collective: str = "all_reduce") -> l
             spec.run(n, out(t) if out else None, t, op)
 
         # The barrier's one-element call has an output of its own: sharing the call's
-        # would reallocate a 64 MiB output around every isolated call (36 ms, not 8).
+        # would reallocate a 64 MiB output around every isolated call, timed with it.
         token_out = Outputs.of(spec, device)
         token = torch.zeros(spec.count(4, 4, dist.get_world_size()), dtype=torch.float32, device=device)
 

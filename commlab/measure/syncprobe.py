@@ -18,16 +18,10 @@ table reads in training:
   last rank's end less its own): the head start the next synchronisation's wait begins
   with, which a compute-only step never shows.
 
-2026-12-05, 4 ranks on 2 cores, 16 MiB after 50 ms of work: gloo's all-gather 20-21 ms
-after the last arrival (the bench's loop: 14), its reduce-scatter 31-36 (27), the ranks
-leaving 3-4 ms apart; commlab's shm 4-5.5 ms (the bench: 1.8 and 2.5), 2-3 ms apart. In
-training (FSDP, 12.6 MB blocks) gloo's calls took 27 ms on average and shm's 5.6
-(docs/measurements.md). Those were reused buffers at 16 MiB. At 505bb5e, the issue's
-1024x8 model (48 MiB blocks), FSDP's calls after the last arrival in training (median) /
-this probe at 48 MiB, fresh buffers / the same reused: gloo's all-gather 112 / 141 / 95 ms,
-its reduce-scatter 125 / 128 / 133, shm's 45 / 46 / 15 and 28 / 34 / 15 — the pages a
-fresh 48 MiB output faults in are most of shm's call, so compare probes at the model's
-largest unit with fresh buffers.
+A probe after compute reads a call as training meets it, which the bench's loop does not
+(gloo's calls took longer after the last arrival than in the bench's loop), and the pages a
+fresh output faults in are most of a large shm call, so compare probes at the model's
+largest unit with fresh buffers (the figures: docs/measurements.md#figures-behind-the-codes-choices).
 
 The same for DDP's buckets (an all-reduce in place at a full bucket: what is left of
 them after backward) and for ZeRO-1's step end (every parameter broadcast from its

@@ -107,9 +107,8 @@ class Interleaved:
         """Warm up once and decide how many iterations each round gets (agreed across ranks)."""
         call()  # the first call may set a transport up (shared memory, IPC): not a sample of its speed
         # The fastest warm-up call sets the pace: the first calls at a new size fault in
-        # fresh buffers (110 us where the row's calls take 3.4), and their mean gave a
-        # fast row a tenth of its budget (2,300 calls, 2.5 ms a round, where one slow
-        # phase of the host doubled its mean). A fixed count: every rank calls alike.
+        # fresh buffers, and their mean gave a fast row a tenth of its budget
+        # (docs/measurements.md#figures-behind-the-codes-choices). A fixed count: every rank calls alike.
         per_call = float("inf")
         for _ in range(max(self.warmup, 1)):
             t0 = time.perf_counter()

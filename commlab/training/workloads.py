@@ -22,8 +22,8 @@ def mlp(width: int = 1024, depth: int = 4, in_features: int = 256, out_features:
 
 
 def generator(seed: int, device="cpu") -> torch.Generator:
-    """A seeded generator on `device`: batches are drawn where they are used (a resnet50
-    batch of 64 drawn on the CPU took ~70 ms, more than the H200's whole step)."""
+    """A seeded generator on `device`: batches are drawn where they are used (drawn on the
+    CPU, a GPU's batch took longer than its whole step: docs/measurements.md#figures-behind-the-codes-choices)."""
     g = torch.Generator(device=torch.device(device))
     g.manual_seed(seed)
     return g

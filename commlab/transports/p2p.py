@@ -171,9 +171,9 @@ class P2P:
 
     def post(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> Step:
         """Post receives, then sends (peers are group ranks): posted the other way round,
-        gloo moved an exchange's two directions one after the other (two emulated hosts
-        at 1 Gbit/s, rhd of 16 MiB: 266-274 ms, now 147; gloo's ring 141). Empty tensors
-        are skipped on both sides, which both sides know from the sizes alone."""
+        gloo moved an exchange's two directions one after the other (twice the time on
+        an emulated link: docs/measurements.md#figures-behind-the-codes-choices). Empty tensors are skipped on both sides,
+        which both sides know from the sizes alone."""
         self._refuse_if_failed()
         meta, recv_pos, tensors = [], [], []
         for t, peer in recvs:
@@ -322,9 +322,9 @@ class P2P:
 
     def _records_route(self):
         """How this group gathers call records, decided once (collective): through shared
-        memory when every rank is on one host (tens of µs), else to rank 0 and back over
-        point-to-point (two steps). gloo's own all-gather took ~5 ms per call with 4 ranks
-        on 2 cores: it wakes every rank p-1 times."""
+        memory when every rank is on one host, else to rank 0 and back over
+        point-to-point (two steps). Not gloo's own all-gather: it wakes every rank p-1
+        times (docs/measurements.md#figures-behind-the-codes-choices)."""
         from commlab.transports import setup, shm
 
         hosts = setup.host_ids(self.info, self.algorithm, "choosing how calls are agreed")

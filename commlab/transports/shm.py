@@ -37,23 +37,21 @@ ONESHOT_MAX = int(os.environ.get("COMMLAB_SHM_ONESHOT_MAX", str(8 << 10)))
 SPIN = 256
 # Microseconds a waiter yields before it sleeps on the futex, when every rank has a core
 # or all ranks are in one scheduling group: then a yield hands the core to the peer that
-# needs it (3-8 ranks on 2 cores, 4-64 KiB: 2-4x faster than sleeping at once). Ranks in
-# groups of their own (torchrun and MPICH start each in its own session, so autogroup)
-# are weighed group against group: a yield keeps the core, 8 ranks took 1-2 ms per call.
+# needs it. Ranks in groups of their own (torchrun and MPICH start each in its own
+# session, so autogroup) are weighed group against group: a yield keeps the core
+# (figures: docs/measurements.md#figures-behind-the-codes-choices).
 YIELD_US = 2000
 # Broadcasts of [MIN, MAX) bytes may go in one copy where the kernel lets every rank read
 # its peers' memory (process_vm_readv): each receiver reads the root's tensor straight out
-# of its process, as the MPIs do. Off by default: it ties the MPIs, where two copies in
-# 256 KiB pieces took 0.3x their time at 1-64 MiB (MIN -1: never; MAX 0: no upper bound).
+# of its process, as the MPIs do. Off by default: two copies in pieces were faster here
+# (docs/measurements.md#figures-behind-the-codes-choices; MIN -1: never; MAX 0: no upper bound).
 SINGLE_COPY_MIN = int(os.environ.get("COMMLAB_SHM_SINGLE_COPY_MIN", "-1"))
 SINGLE_COPY_MAX = int(os.environ.get("COMMLAB_SHM_SINGLE_COPY_MAX", "0"))
 # Bytes per piece of a broadcast or all-gather through the segments, where every rank has
 # a core: a broadcast's root copies one in while the receivers copy the last out, and a
-# piece written by one core is read by the other from cache (2 ranks, broadcast 1-4 MiB:
-# 22-24 and 85-104 us against 24-42 and 90-145 in 1 MiB pieces; all-gather 16-64 MiB:
-# 0.58-0.62 and 3.8-4.6 ms against 0.78-0.91 and 4.8-5.2).
-# Ranks that share cores keep whole buffers: each piece's handshake can cost a context
-# switch (4 ranks, 4 MiB: 1.0-1.2 ms in 256 KiB pieces, 0.7-0.8 ms in 1 MiB ones).
+# piece written by one core is read by the other from cache. Ranks that share cores keep
+# whole buffers: each piece's handshake can cost a context switch (both measured:
+# docs/measurements.md#figures-behind-the-codes-choices).
 PIECE = 256 << 10
 
 

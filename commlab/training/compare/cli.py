@@ -235,9 +235,8 @@ def host_sample(world: int, modes: list[str], args: dict) -> dict:
     of each collective the modes call, and the probes of their calls made after compute
     (probe_in_training: FSDP's, DDP's buckets, ZeRO-1's broadcasts). Taken
     first, in the middle of a comparison of several modes (_sample_after) and last, and
-    pooled by the median: one sample read the machine's phase at one moment (a probe at
-    19:59 put gloo's reduce-scatter at 170 ms where one an hour earlier read 125) and
-    carried it into every mode."""
+    pooled by the median: one sample read the machine's phase at one moment and carried
+    it into every mode (docs/measurements.md#figures-behind-the-codes-choices)."""
     wanted = _predicted_modes(modes)
     return {"benches": [host_bench(world, c, names) for c, names in host_collectives(wanted).items()],
             "in_training": probe_in_training(world, wanted, largest_unit_bytes(args), full_bucket_bytes(args),

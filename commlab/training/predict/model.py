@@ -187,7 +187,7 @@ def collective_us(prof: Profile, collective: str, algorithm: str, p: int, nbytes
         if len(rows) > 1 and rows[0][0] <= nbytes <= rows[-1][0]:
             # Between two sizes the bench timed: its own times, interpolated (exact for an
             # affine cost). The fit is for sizes it did not reach: gloo's all-gather grows
-            # faster than linearly past 16 MiB, where the fit put 64 MiB at 66 ms, not 100.
+            # faster than linearly past 16 MiB (docs/measurements.md#figures-behind-the-codes-choices).
             k = next(i for i in range(1, len(rows)) if nbytes <= rows[i][0])
             (n0, t0), (n1, t1) = rows[k - 1], rows[k]
             return t1 if n1 == n0 else t0 + (t1 - t0) * (nbytes - n0) / (n1 - n0)

@@ -244,7 +244,7 @@ def zero1_optimizer_us(prof, p: int, opt_us: float) -> tuple[float, float, float
     the parameters at once, lined up by the buckets' all-reduce, and the broadcasts wait
     for the slowest. On this host as its probe (measure.syncprobe's ZeRO-1 phase with the
     optimizer's step) timed that phase — where ranks outnumber cores they reach the
-    broadcasts 90 to 731 ms apart (six runs' traces, 2026-12-06, docs/measurements.md); else
+    broadcasts far apart (docs/measurements.md#figures-behind-the-codes-choices); else
     1/p of the optimizer, nobody waiting (a hardware profile: a device per rank)."""
     from commlab.measure.syncprobe import OPTIMIZERS, ZERO1
 
