@@ -99,6 +99,13 @@ EMPTY_CASES = [("empty", f, a) for f in FAMILIES for a in ("shm", "auto")] + \
                                   ("all_to_all", "pairwise"))]
 
 
+def _run(pool: RankPool, fn, *args, timeout: float = 60):
+    try:
+        return pool.run(fn, *args, timeout=timeout)
+    finally:
+        pool.close()
+
+
 def _segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("commlab-")}
 
@@ -131,7 +138,7 @@ def both_empty(rank, p):
 
 def test_two_empty_calls_still_match_and_return():
     """The empty call's record is compared, not refused: ranks that agree go on."""
-    assert RankPool(2).run(both_empty, timeout=60) == [[True] * len(FAMILIES)] * 2
+    assert _run(RankPool(2), both_empty) == [[True] * len(FAMILIES)] * 2
 
 
 def states_of_members_only(rank, p):
@@ -159,7 +166,7 @@ def states_of_members_only(rank, p):
 
 
 def test_only_the_members_of_a_states_group_build_it():
-    res = RankPool(2, pg_timeout_s=30).run(states_of_members_only, timeout=60)
+    res = _run(RankPool(2, pg_timeout_s=30), states_of_members_only)
     assert res[0] == res[1] and res[0][1] == [2.0] * 4
 
 
@@ -185,7 +192,7 @@ def crossed_states(rank, p):
 def test_states_built_in_crossed_orders_raise_at_once_on_every_rank():
     """Rank 0 waits for rank 1 in the state of [0, 1] while rank 1 waits for rank 0 in
     the world's: neither can go on; rank 2, waiting in the world's, learns it too."""
-    res = RankPool(3, pg_timeout_s=30, env={"COMMLAB_SETUP_TIMEOUT": "60"}).run(crossed_states, timeout=60)
+    res = _run(RankPool(3, pg_timeout_s=30, env={"COMMLAB_SETUP_TIMEOUT": "60"}), crossed_states)
     texts = {msg for msg, _ in res}
     assert len(texts) == 1, texts
     msg = texts.pop()

@@ -385,6 +385,40 @@ def test_ranks_end_when_the_process_that_started_them_dies(tmp_path, signal_name
                 pass
 
 
+_UNCLOSED_PARENT = """
+from commlab.measure.launch import RankPool
+
+
+def rank_of(rank, world):
+    return rank
+
+
+if __name__ == "__main__":
+    pool = RankPool(2)
+    assert pool.run(rank_of) == [0, 1]
+    print(pool.pid(0), pool.pid(1), pool._dir, flush=True)
+"""
+
+
+def test_a_pool_left_open_at_exit_leaves_nothing_behind(tmp_path):
+    """A script (or a test) that returns without closing its pool: multiprocessing's exit
+    handler terminated the ranks before their lifeline could remove the pool's working
+    directory, which stayed in the temporary directory for good."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(_UNCLOSED_PARENT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second, workdir = proc.stdout.split()
+    deadline = time.monotonic() + 10
+    while not (_gone(int(first)) and _gone(int(second))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(int(first)) and _gone(int(second))
+    assert not os.path.exists(workdir), f"{workdir} left behind"
+
+
 def test_a_pool_whose_rank_cannot_start_leaves_nothing_behind(monkeypatch):
     """A rank's start() can fail (no processes or descriptors left): the ranks already
     started, the lifeline's two ends and the working directory must go with the error, not

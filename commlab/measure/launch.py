@@ -564,6 +564,7 @@ class RankPool:
             self.close()
             raise
         os.close(life_r)
+        _closed_at_exit(self)
         self._start_timeout_s = start_timeout_s
         if len(self._ranks) == world_size:
             self._collect("start", start_timeout_s, expect="ready")
@@ -666,6 +667,7 @@ class RankPool:
         if self.broken:
             return
         self.broken = True
+        _open.discard(self)
         for q in self._inq.values():
             try:
                 q.put(None)
@@ -681,6 +683,24 @@ class RankPool:
                 p.join(5)
         os.close(self._lifeline)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+_open: set = set()  # pools not closed yet: closed at exit, ranks first told to go
+
+
+def _closed_at_exit(pool: RankPool) -> None:
+    """A pool its process leaves open is closed as the interpreter exits. Registered after
+    multiprocessing's own exit handler (its queues imported it), so it runs first: that
+    handler terminates the ranks outright, leaving the pool's working directory behind."""
+    if not _open and not getattr(_closed_at_exit, "registered", False):
+        atexit.register(_close_open)
+        _closed_at_exit.registered = True
+    _open.add(pool)
+
+
+def _close_open() -> None:
+    for pool in list(_open):
+        pool.close()
 
 
 def run_once(world_size: int, fn: Callable, *args, backend: str | None = None, timeout: float | None = None,
