@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import multiprocessing.util  # noqa: F401 - registers its exit handler on import: _close_open must come after
 import os
 import queue
 import re
@@ -564,7 +565,7 @@ class RankPool:
             self.close()
             raise
         os.close(life_r)
-        _closed_at_exit(self)
+        _open.add(self)
         self._start_timeout_s = start_timeout_s
         if len(self._ranks) == world_size:
             self._collect("start", start_timeout_s, expect="ready")
@@ -685,20 +686,13 @@ class RankPool:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-_open: set = set()  # pools not closed yet: closed at exit, ranks first told to go
+_open: set = set()  # pools not closed yet
 
 
-def _closed_at_exit(pool: RankPool) -> None:
-    """A pool its process leaves open is closed as the interpreter exits. Registered after
-    multiprocessing's own exit handler (its queues imported it), so it runs first: that
-    handler terminates the ranks outright, leaving the pool's working directory behind."""
-    if not _open and not getattr(_closed_at_exit, "registered", False):
-        atexit.register(_close_open)
-        _closed_at_exit.registered = True
-    _open.add(pool)
-
-
+@atexit.register  # after multiprocessing.util's own (imported above), so it runs first
 def _close_open() -> None:
+    """A pool its process leaves open is closed as the interpreter exits: multiprocessing's
+    exit handler would terminate the ranks outright, leaving the pool's directory behind."""
     for pool in list(_open):
         pool.close()
 
