@@ -42,6 +42,7 @@ pybind11::dict codes() {
                                 "uint8"_a = i(DType::kU8));
   out["op"] = pybind11::dict("SUM"_a = i(RedOp::kSum), "PRODUCT"_a = i(RedOp::kProduct), "MIN"_a = i(RedOp::kMin),
                              "MAX"_a = i(RedOp::kMax));
+  out["avg_record"] = kAvgRecord;
   out["shm_mode"] = pybind11::dict("AUTO"_a = i(ShmMode::kAuto), "ONESHOT"_a = i(ShmMode::kOneShot),
                                    "TWOSHOT"_a = i(ShmMode::kTwoShot), "ROOT"_a = i(ShmMode::kRoot));
   out["ipc_mode"] = pybind11::dict("AUTO"_a = i(IpcMode::kAuto), "ONESHOT"_a = i(IpcMode::kOneShot),

@@ -101,6 +101,7 @@ def test_python_mirrors_the_extension_codes():
 
     codes = _ext.require().codes()
     assert {o.name: int(o) for o in Op if o is not Op.AVG} == codes["op"]
+    assert int(Op.AVG) == codes["avg_record"]  # Context.recorded() hands the transports Op.AVG's value
     assert {m.name: int(m) for m in shm.Mode} == codes["shm_mode"]
     assert {m.name: int(m) for m in ipc.Mode} == codes["ipc_mode"]
     assert sorted(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES) == sorted(codes["dtype"])

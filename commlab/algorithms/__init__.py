@@ -21,7 +21,6 @@ for_device = REGISTRY.for_device
 REGISTRY.discover(__name__, __path__)
 
 
-
 def registry(collective: str) -> Registry:
     """The registry of a collective's family."""
     if collective == "all_reduce":

@@ -134,9 +134,9 @@ def _group_facts(info, file: str) -> list[dict]:
 
 
 def rule(device_type: str, per_host: list[int]) -> str:
-    """The built-in pick without a tuning file, from measurements (docs/measurements.md#figures-behind-the-codes-choices):
-    shm on one host; across hosts hier where some host has several ranks, else the
-    backend's own; the backend's on GPUs."""
+    """The built-in pick without a tuning file, from measurements
+    (docs/measurements.md#figures-behind-the-codes-choices): shm on one host; across hosts
+    hier where some host has several ranks, else the backend's own; the backend's on GPUs."""
     if device_type != "cpu":
         return "builtin"
     return "shm" if len(per_host) == 1 else ("hier" if max(per_host) > 1 else "builtin")

@@ -101,7 +101,7 @@ class _Plan:
             self.ctx.p2p.agree(CallRecord("all_reduce", tensor.numel(), tensor.dtype, self.reduce_op, self.alg.name),
                                algorithms.names)
         if tensor.numel() == 0:
-            if not self.agree and self.info.size > 1:  # the transport checks it like any call
+            if not self.agree:  # the transport checks it like any call
                 self.alg.run(tensor.view(-1), self.core_op, self.ctx)
             return
         # Algorithms work on one flat contiguous buffer; a strided caller's view gets
@@ -143,11 +143,11 @@ _MAX_PLANS = 256
 
 
 def _plan(tensor: torch.Tensor, op, group, algorithm: str) -> _Plan:
-    # The key is built from the cheapest attributes there are (tensor.device.type and
-    # hashing a ReduceOp cost more than a small shm call's transport: docs/measurements.md#figures-behind-the-codes-choices).
-    # The op is keyed by identity; the plan keeps
-    # it alive, so its id cannot be reused while the plan is cached, and an equal op of
-    # another identity just takes the slow path.
+    # The key is built from the cheapest attributes there are: tensor.device.type and
+    # hashing a ReduceOp cost more than a small shm call's transport
+    # (docs/measurements.md#figures-behind-the-codes-choices). The op is keyed by
+    # identity; the plan keeps it alive, so its id cannot be reused while the plan is
+    # cached, and an equal op of another identity just takes the slow path.
     try:
         key = (algorithm, id(op), id(group), tensor.dtype, tensor.is_cpu, tensor.is_cuda, tensor.layout)
         plan = _plans.get(key)

@@ -2,9 +2,8 @@
 
 A build whose compiler links libstdc++ statically (a GPU image's /opt/gcc wrapper did:
 docs/measurements.md#first-gpu-run-one-h200) carries a private copy of the runtime beside
-the one torch loaded: the first
-C++ error message (TORCH_CHECK's ostream, every PeerLostError) segfaulted instead of
-raising. The sign is in the ELF: no libstdc++.so among the libraries it needs. Standalone
+the one torch loaded: the first C++ error message (TORCH_CHECK's ostream, every
+PeerLostError) segfaulted instead of raising. The sign is in the ELF: no libstdc++.so among the libraries it needs. Standalone
 (no package imports), so setup.py loads it by path before anything is built."""
 from __future__ import annotations
 

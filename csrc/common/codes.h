@@ -10,8 +10,15 @@ namespace commlab {
 // kU8 stays last: loops over every type (the CUDA preload) walk the values up to it.
 enum class DType : int { kF32 = 0, kF64, kF16, kBF16, kI32, kI64, kU8 };
 
-// AVG never reaches _C: it is SUM followed by one division, done in Python.
+// AVG is SUM followed by one division, done in Python: no reduction runs it.
 enum class RedOp : int { kSum = 0, kProduct = 1, kMin = 2, kMax = 3 };
+
+// The op code of a caller's AVG where a transport records the call (shared memory's and
+// CUDA IPC's call records): ranks that average and ranks that sum must not pair.
+constexpr int kAvgRecord = 4;
+
+// The reduction a recorded op code runs: AVG's is SUM.
+inline RedOp reduction_of(int op) { return op == kAvgRecord ? RedOp::kSum : static_cast<RedOp>(op); }
 
 // Shared memory: one-shot (every rank reduces all inputs), two-shot (reduce-scatter
 // then gather), root (rank 0 reduces, the parameter-server pattern); auto picks one- or

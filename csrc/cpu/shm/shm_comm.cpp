@@ -66,9 +66,6 @@ struct alignas(64) WakeLine {
 // so a piece never pairs with a piece of another call.
 // Which collective a call is: part of the record, so ranks that called different
 // collectives fail with a mismatch instead of exchanging the wrong data.
-// Op code 4: the caller asked for AVG (codes.h's RedOp stops at MAX).
-constexpr int kAvgRecord = 4;
-
 enum Kind : int32_t { kAllReduce = 0, kAllGather = 1, kReduceScatter = 2, kBroadcast = 3, kBarrier = 4, kAllToAll = 5 };
 
 struct alignas(64) CallInfo {
@@ -133,10 +130,6 @@ const char* op_name(int op) {
   static const char* names[] = {"SUM", "PRODUCT", "MIN", "MAX", "AVG"};
   return op >= 0 && op <= kAvgRecord ? names[op] : "?";
 }
-
-// The op a reduction runs: the caller's AVG is recorded as such (ranks that average
-// and ranks that sum must not pair) and summed here; the API divides afterwards.
-RedOp reduction_of(int op) { return op == kAvgRecord ? RedOp::kSum : static_cast<RedOp>(op); }
 
 const char* mode_name(int mode) {
   static const char* names[] = {"auto", "one-shot", "two-shot", "root"};

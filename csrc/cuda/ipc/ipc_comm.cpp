@@ -135,8 +135,7 @@ void IpcComm::allreduce(const at::Tensor& t, int64_t op, int64_t mode) {
   TORCH_CHECK(t.is_cuda() && t.get_device() == device_, "commlab ipc: tensor must be on cuda:", device_,
               ", got ", t.device());
   TORCH_CHECK(t.is_contiguous(), "commlab ipc: tensor must be contiguous");
-  // 4: the caller's AVG, recorded in the call code as such and summed (the API divides).
-  TORCH_CHECK(op >= 0 && op <= 4, "commlab ipc: op code must be 0..4 (4: AVG, summed)");
+  TORCH_CHECK(op >= 0 && op <= kAvgRecord, "commlab ipc: op code must be 0..4 (4: AVG, summed)");
   TORCH_CHECK(mode >= 0 && mode <= 2, "commlab ipc: mode must be an IpcMode (0 auto, 1 one-shot, 2 two-shot)");
   const auto imode = static_cast<IpcMode>(mode);
   const int64_t numel = t.numel();
@@ -150,7 +149,7 @@ void IpcComm::allreduce(const at::Tensor& t, int64_t op, int64_t mode) {
   for (int q = 0; q < world_; ++q) launch.blocks[q] = peers_[q];
   launch.rank = rank_;
   launch.world = world_;
-  launch.op = op == 4 ? RedOp::kSum : static_cast<RedOp>(op);
+  launch.op = reduction_of(static_cast<int>(op));
   launch.timeout_ns = static_cast<uint64_t>(timeout_ms_) * 1000000ull;
   launch.err = static_cast<IpcError*>(error_dev_);
   char* base = static_cast<char*>(t.data_ptr());
