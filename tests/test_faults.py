@@ -419,6 +419,22 @@ def test_a_pool_left_open_at_exit_leaves_nothing_behind(tmp_path):
     assert not os.path.exists(workdir), f"{workdir} left behind"
 
 
+def _open_fds() -> set[str]:
+    """This process's open descriptors. Each is checked once the listing is done: the
+    listing's own descriptor of /proc/self/fd is among the names it read, and another
+    number each time the numbers below it shift (read as a leak that was gone a moment
+    later)."""
+    names = os.listdir("/proc/self/fd")
+    out = set()
+    for name in names:
+        try:
+            os.fstat(int(name))
+        except OSError:
+            continue
+        out.add(name)
+    return out
+
+
 def test_a_pool_whose_rank_cannot_start_leaves_nothing_behind(monkeypatch):
     """A rank's start() can fail (no processes or descriptors left): the ranks already
     started, the lifeline's two ends and the working directory must go with the error, not
@@ -450,7 +466,7 @@ def test_a_pool_whose_rank_cannot_start_leaves_nothing_behind(monkeypatch):
 
     launch.RankPool(1, backend=None).close()  # the fork server up: its descriptors are this process's for good
     monkeypatch.setattr(launch, "_context", lambda: Ctx())
-    fds = set(os.listdir("/proc/self/fd"))
+    fds = _open_fds()
     dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "commlab-ranks-*")))
     with pytest.raises(OSError, match="Too many open files"):
         launch.RankPool(2, backend=None)
@@ -460,5 +476,5 @@ def test_a_pool_whose_rank_cannot_start_leaves_nothing_behind(monkeypatch):
     assert not started[0].is_alive(), "the rank that started outlived its pool's failure"
     started[0].close()  # this test's own hold on it (its pipes to the fork server)
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "commlab-ranks-*"))) == dirs
-    leaked = set(os.listdir("/proc/self/fd")) - fds
+    leaked = _open_fds() - fds
     assert not leaked, {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in leaked if os.path.exists(f"/proc/self/fd/{fd}")}
