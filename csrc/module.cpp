@@ -45,6 +45,9 @@ pybind11::dict codes() {
   out["avg_record"] = kAvgRecord;
   out["shm_mode"] = pybind11::dict("AUTO"_a = i(ShmMode::kAuto), "ONESHOT"_a = i(ShmMode::kOneShot),
                                    "TWOSHOT"_a = i(ShmMode::kTwoShot), "ROOT"_a = i(ShmMode::kRoot));
+  out["kind"] = pybind11::dict("all_reduce"_a = i(kAllReduce), "all_gather"_a = i(kAllGather),
+                               "reduce_scatter"_a = i(kReduceScatter), "broadcast"_a = i(kBroadcast),
+                               "barrier"_a = i(kBarrier), "all_to_all"_a = i(kAllToAll));
   out["ipc_mode"] = pybind11::dict("AUTO"_a = i(IpcMode::kAuto), "ONESHOT"_a = i(IpcMode::kOneShot),
                                    "TWOSHOT"_a = i(IpcMode::kTwoShot));
   return out;
@@ -123,8 +126,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property("single_copy_min", &commlab::ShmComm::single_copy_min, &commlab::ShmComm::set_single_copy_min)
       .def_property("single_copy_max", &commlab::ShmComm::single_copy_max, &commlab::ShmComm::set_single_copy_max)
       .def_property("piece_bytes", &commlab::ShmComm::piece_bytes, &commlab::ShmComm::set_piece_bytes)
-      .def("abort", &commlab::ShmComm::abort, pybind11::arg("why"),
+      .def("abort", &commlab::ShmComm::abort, pybind11::arg("why"), pybind11::arg("mismatch") = false,
            "give up on this communicator: peers waiting on this rank fail at once with `why`")
+      .def("post_record", &commlab::ShmComm::post_record, pybind11::arg("kind"), pybind11::arg("elements"),
+           pybind11::arg("dtype"), pybind11::arg("op"), pybind11::arg("algorithm"), pybind11::arg("root"),
+           pybind11::arg("wait_all"),
+           "publish a point-to-point call's record and compare it with the peers' already in the call "
+           "(every peer's with wait_all); true where one differs")
+      .def("records", &commlab::ShmComm::records,
+           "every rank's record of the last posted call, 9 integers per rank (waits for each)")
+      .def("peer_abort", &commlab::ShmComm::peer_abort,
+           "(1, or 2 on a mismatch; global rank; reason) of a peer that gave up, else (0, -1, ''); does not wait")
       .def_static("dtype_code", [](const torch::Tensor& t) { return static_cast<int64_t>(t.scalar_type()); },
                   "the scalar-type code try_allreduce compares against")
       .def("segment_name", &commlab::ShmComm::segment_name)

@@ -82,3 +82,68 @@ def test_across_emulated_hosts(algorithm):
     a size that differs between the hosts is caught before the link stage moves a byte."""
     res = RankPool(4, pg_timeout_s=30).outcomes(differing_call, algorithm, "size", [0, 0, 1, 1], timeout=60)
     _every_rank_raises_the_same_mismatch(res, 4)
+
+
+def early_check(rank, p, late_s):
+    """Rank 0 checks a call while its peer is still away; both then check it and run a
+    healthy call. Returns how long rank 0's check took and the healthy call's sum."""
+    from commlab.core import groups
+    from commlab.core.reduction import Op
+    from commlab.transports.p2p import P2P, CallRecord
+
+    group = dist.new_group()
+    x = torch.ones(1024)
+    commlab.all_reduce(x, group=group, algorithm="ring")  # sets the group up on every rank
+    p2p = P2P(groups.resolve(group), "ring")
+    if rank == 1:
+        time.sleep(late_s)
+    t0 = time.monotonic()
+    p2p.agree(CallRecord("all_reduce", 1024, torch.float32, Op.SUM, "ring"), lambda: ("ring",))
+    seconds = time.monotonic() - t0
+    y = torch.full((1024,), float(rank + 1))
+    commlab.all_reduce(y, group=group, algorithm="ring")
+    return {"seconds": seconds, "sum": y[0].item()}
+
+
+def test_the_check_waits_for_no_peer():
+    """The check of a point-to-point call on one host is a record in shared memory that
+    the later rank compares: the earlier rank goes on to its first transfer at once
+    (before, every call waited there for its slowest peer, a rendezvous of its own that
+    doubled a small call's time)."""
+    res = RankPool(2, pg_timeout_s=30).outcomes(early_check, 1.0, timeout=60)
+    got = [res[r].result for r in range(2)]
+    assert all(res[r].status == "ok" for r in range(2)), [res[r].error[-1500:] for r in range(2)]
+    assert got[0]["seconds"] < 0.3, got  # it did not wait for rank 1's second
+    assert [g["sum"] for g in got] == [3.0, 3.0]  # the group still works, with the right data
+
+
+def mixed_transports(rank, p, warm):
+    """Rank 0 calls through shared memory, the others point-to-point, on one group."""
+    group = dist.new_group()
+    if warm:
+        commlab.all_reduce(torch.ones(16), group=group, algorithm="ring")
+    x = torch.ones(4096)
+    t0 = time.monotonic()
+    try:
+        commlab.all_reduce(x, group=group, algorithm="shm" if rank == 0 else "ring")
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return {"type": type(e).__name__, "msg": str(e), "seconds": time.monotonic() - t0}
+    return {"type": None, "sum": float(x.sum()), "seconds": time.monotonic() - t0}
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["after-a-call", "first-call"])
+def test_a_rank_in_another_transport_is_a_mismatch_on_every_rank(warm):
+    """A point-to-point record meets a shared-memory call: the shared-memory rank finds it
+    in its peer's slot, and the point-to-point ranks, which wait in a transfer (or in the
+    connection's set-up) for a rank that never comes, read its give-up from shared memory."""
+    res = RankPool(3, pg_timeout_s=30).outcomes(mixed_transports, warm, timeout=60)
+    for r in range(3):
+        assert res[r].status == "ok", f"rank {r}: {res[r].status}: {res[r].error[-2000:]}"
+        g = res[r].result
+        assert g["type"] == "CollectiveMismatchError", (r, g)
+        assert g["seconds"] < 2.0, (r, g)
+    msgs = {res[r].result["msg"] for r in range(3)}
+    assert len(msgs) == 1, msgs  # the same text everywhere
+    # A first call differs already in the group's set-up (shared memory's on one rank,
+    # the check's route on the others); a later one in the records.
+    assert ("by a point-to-point algorithm" if warm else "shm setup") in msgs.pop()

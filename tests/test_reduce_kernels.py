@@ -96,11 +96,13 @@ def test_reduce_n_cuda_matches_cpu(dtype):
 def test_python_mirrors_the_extension_codes():
     """csrc/common/codes.h is the one source of dtype, op and mode codes; the Python
     enums that mirror it must agree with what the extension was built with."""
+    from commlab.core.collectives import KIND
     from commlab.core.reduction import SUPPORTED_DTYPES
     from commlab.transports import ipc, shm
 
     codes = _ext.require().codes()
     assert {o.name: int(o) for o in Op if o is not Op.AVG} == codes["op"]
+    assert KIND == codes["kind"]
     assert int(Op.AVG) == codes["avg_record"]  # Context.recorded() hands the transports Op.AVG's value
     assert {m.name: int(m) for m in shm.Mode} == codes["shm_mode"]
     assert {m.name: int(m) for m in ipc.Mode} == codes["ipc_mode"]

@@ -12,7 +12,7 @@ from commlab.api import lanes
 from commlab.core import groups
 from commlab.core.errors import CollectiveMismatchError, UnsupportedError
 from commlab.core.reduction import SUPPORTED_DTYPES, Op, finish_average_, parse_op
-from commlab.transports.p2p import P2P, CallRecord
+from commlab.transports.p2p import P2P
 
 
 def algorithm_names() -> list[str]:
@@ -74,7 +74,8 @@ class _Plan:
         self.check = checking_enabled()
         self.op_key = op_key  # the caller's op object this plan is cached under
         self.fast = None  # the algorithm's fast call, where it has one and the call allows it
-        self.agree = None  # whether every call is agreed first (P2P.agree): decided on the first call
+        self.agree = None  # whether every call is checked first (P2P.checker): decided on the first call
+        self.checked = None  # the check, bound on the first call
 
     def live(self) -> bool:
         return self.info.alive()
@@ -98,8 +99,10 @@ class _Plan:
         if self.agree is None:  # collective: every rank's first call of the plan asks here
             self.agree = not self.alg.checks_calls(tensor, self.ctx)
         if self.agree:  # an empty call too: its peers may not be empty
-            self.ctx.p2p.agree(CallRecord("all_reduce", tensor.numel(), tensor.dtype, self.reduce_op, self.alg.name),
-                               algorithms.names)
+            if self.checked is None:  # bound once: the check runs on every call of the plan
+                self.checked = self.ctx.p2p.checker("all_reduce", tensor.dtype, self.reduce_op, self.alg.name,
+                                                    algorithms.names)
+            self.checked(tensor.numel())
         if tensor.numel() == 0:
             if not self.agree:  # the transport checks it like any call
                 self.alg.run(tensor.view(-1), self.core_op, self.ctx)

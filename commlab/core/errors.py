@@ -25,3 +25,16 @@ class PeerError(CommlabError):
 
 class CollectiveMismatchError(CommlabError):
     """Ranks entered the same collective with different sizes, dtypes, ops or algorithms."""
+
+
+# How the text of a mismatch between ranks' calls begins: a peer that learns of it through
+# an abort channel (a closed connection, a store key) raises it as a mismatch too.
+MISMATCH_MARKS = ("commlab: ranks called differently", "commlab shm: mismatch:")
+
+
+def raised_for(text: str, algorithm: str = "", peer: int | None = None) -> CommlabError:
+    """The error a rank raises for a reason some rank gave the group up with: the same
+    text on every rank, and a mismatch found by one rank is a mismatch on every rank."""
+    if text.startswith(MISMATCH_MARKS):
+        return CollectiveMismatchError(text)
+    return PeerError(text, algorithm=algorithm, peer=peer)

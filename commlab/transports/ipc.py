@@ -22,10 +22,23 @@ import os
 import torch
 
 from commlab.core import ext, groups
-from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError, UnsupportedError
+from commlab.core.errors import (
+    CollectiveMismatchError,
+    CommlabError,
+    PeerError,
+    UnsupportedError,
+)
 from commlab.core.groups import GroupInfo
 from commlab.transports import shm
-from commlab.transports.setup import Entry, agree, differing, gather, host_id, pid_alive, translate
+from commlab.transports.setup import (
+    Entry,
+    agree,
+    differing,
+    gather,
+    host_id,
+    pid_alive,
+    translate,
+)
 
 PATH_PEER, PATH_STAGED = "peer", "staged"
 

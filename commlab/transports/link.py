@@ -39,6 +39,7 @@ ABORT_KEY = "commlab/abort"
 _POLL = 0.1  # s between looks at the store while a wait is in flight
 _BEAT = 0.5  # s between heartbeats
 _LOOK = 1.0  # s a wait lasts before peers' heartbeats are read, and between reads
+_GUARD = 0.1  # s a wait lasts before the call check's guard is asked (a peer in another transport's call)
 _SLICE = 1.0  # s: a collective's wait looks at the connection's state this often
 _connecting = threading.Lock()  # one context connects at a time: its sockets are what appeared meanwhile
 
@@ -66,6 +67,7 @@ class Link:
         self.error: str | None = None
         self.calls = 0  # calls agreed on the group (P2P.agree)
         self.route = None  # how call records are gathered (P2P.agree)
+        self.guard = None  # () -> a peer's mismatch text or None, asked during a wait that lasts (P2P._post)
         self.dependents: list = []  # GroupInfos of sub-groups made for the same calls (P2P.derive)
         self.waiting = 0
         self.inflight = None  # the send or receive work the main path waits on (trip aborts it)
@@ -92,7 +94,7 @@ class Link:
             before = _sockets()
             backend = setup.interruptibly(
                 info, lambda: dist.ProcessGroupGloo(dist.PrefixStore("commlab/link/", store), info.rank, info.size,
-                                                    info.timeout), label, "connecting commlab's channel")
+                                                    info.timeout), label, "connecting commlab's channel", self.guard)
             fresh = _sockets() - before
         # Each rank's addresses in the context (its listener's, its connections' ends), so
         # an error that names only an address ("Connection reset by peer [10.0.0.2]:40521",
@@ -232,6 +234,8 @@ class Link:
                 return
             if self.store.check([ABORT_KEY]):
                 self.trip(self.store.get(ABORT_KEY).decode())
+            elif self.guard is not None and now - self.since >= _GUARD and (text := self.guard()) is not None:
+                self.give_up(text)
             elif now - self.since >= _LOOK and now >= self._next_look:
                 self._next_look = now + _LOOK
                 self._look_at_peers(now)

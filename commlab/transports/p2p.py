@@ -19,9 +19,15 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from commlab.core import groups
-from commlab.core.collectives import COLLECTIVES
-from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError
+from commlab.core import ext, groups
+from commlab.core.collectives import COLLECTIVES, EVERY_INPUT_NEEDED, KIND
+from commlab.core.errors import (
+    MISMATCH_MARKS,
+    CollectiveMismatchError,
+    CommlabError,
+    PeerError,
+    raised_for,
+)
 from commlab.core.groups import GroupInfo
 from commlab.core.reduction import SUPPORTED_DTYPES, Op
 from commlab.transports.link import Link
@@ -67,6 +73,24 @@ def _code(name: str) -> int:
 
 def _decode(code: int, names) -> str:
     return next((n for n in names if _code(n) == code), f"#{code}")
+
+
+@functools.lru_cache(maxsize=None)  # a few dtypes, asked on every call checked through shared memory
+def _scalar_code(dtype: torch.dtype) -> int:
+    return ext.require().ShmComm.dtype_code(torch.empty(0, dtype=dtype))
+
+
+def _described(row: list[int], algorithms) -> str:
+    """One rank's record read from shared memory (ShmComm.records), readable like
+    describe()'s; a rank in a shared-memory call shows that call's piece."""
+    _, call, kind, total, dtype, op, algorithm, root, index = row
+    name = next((n for n, k in KIND.items() if k == kind), f"#{kind}")
+    dt = next((str(d).replace("torch.", "") for d in _ALL_DTYPES if _scalar_code(d) == dtype), "?")
+    if index != -1:
+        return f"{name} of {total} bytes of {dt} through shared memory (call {call})"
+    how = f" {Op(op).name}" if op >= 0 else ""
+    where = f" root {root}" if root >= 0 else ""
+    return f"{name} of {total} {dt}{how}{where} by {_decode(algorithm, algorithms)} (call {call})"
 
 
 def abandon(group: dist.ProcessGroup, text: str) -> None:
@@ -167,7 +191,7 @@ class P2P:
         rank whichever call a rank was in: a retry could pair with the failed step's
         stale messages (create a new group to go on)."""
         if self.link.error is not None:
-            raise PeerError(self.link.error, algorithm=self.algorithm, peer=None)
+            raise raised_for(self.link.error, self.algorithm)
 
     def post(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> Step:
         """Post receives, then sends (peers are group ranks): posted the other way round,
@@ -205,6 +229,10 @@ class P2P:
                 works = dist.batch_isend_irecv([
                     dist.P2POp(dist.irecv if kind == "receive from" else dist.isend, t, group=g, group_peer=peer)
                     for t, (kind, peer) in zip(tensors, meta)])
+        except CollectiveMismatchError as e:  # met while connecting: a peer is in another transport's call
+            if self.link.error is None:
+                self.link.give_up(str(e))
+            raise
         except CommlabError:
             raise
         except RuntimeError as e:
@@ -286,11 +314,13 @@ class P2P:
             return None
         link.calls += 1
         p = self.info.size
-        mine = torch.tensor(record.row(link.calls, p), dtype=torch.int64)
         try:
             if link.route is None:
                 link.route = self._records_route()
-            rows = link.route(self, mine)
+            if link.route is P2P._records_through_shm and record.splits is None:
+                return self.checker(record.collective, record.dtype, record.op, record.algorithm, algorithms,
+                                    record.root)(record.elements)
+            rows = link.route(self, torch.tensor(record.row(link.calls, p), dtype=torch.int64))
         except CollectiveMismatchError:
             raise
         except CommlabError as e:
@@ -299,7 +329,7 @@ class P2P:
             # in a point-to-point wait where this rank saw it in shared memory.
             text = link.give_up(str(e)) if link.error is None else link.error
             self._spread(text)
-            raise PeerError(text, algorithm=self.algorithm, peer=getattr(e, "peer", None)) from None
+            raise raised_for(text, self.algorithm, getattr(e, "peer", None)) from None
         head = rows[:, :CallRecord.HEAD]
         if not bool((head == head[0]).all()):
             names = algorithms()
@@ -319,6 +349,72 @@ class P2P:
                 f"rank {self.info.global_rank(j)} sends {int(send[j, q])} elements to rank "
                 f"{self.info.global_rank(q)}, which expects {int(recv[q, j])} from it")
         return send
+
+    def checker(self, collective: str, dtype: torch.dtype, op: Op | None, algorithm: str, algorithms, root: int = -1):
+        """The check of every call of one kind (its size aside), bound once (collective:
+        every rank's first call of the kind asks here): check(elements) raises the same
+        CollectiveMismatchError on every rank where ranks called differently.
+
+        On one host it is a record in shared memory, without a rendezvous: each rank
+        publishes its call's record and compares it with every peer's already there; a
+        peer not there yet compares it when it arrives, before it sends or receives a byte
+        (ShmComm's records.cpp). Of ranks whose records differ no two exchange a message,
+        so where every rank's result needs every rank's input no rank can finish, and the
+        rank that finds the difference ends the group for all. Where a rank's result does
+        not need every peer (a broadcast, a call of no elements) it waits for every
+        record, as the agreement does. Across hosts, the agreement (agree)."""
+        from commlab.transports import shm
+
+        link = self.link
+        self._refuse_if_failed()
+        if UNAGREED:
+            return lambda elements: None
+        if link.route is None:
+            link.route = self._records_route()
+        if link.route is not P2P._records_through_shm:
+            return lambda elements: self.agree(CallRecord(collective, elements, dtype, op, algorithm, root), algorithms)
+        if link.guard is None:
+            info = self.info
+            link.guard = lambda: shm.mismatch_seen(info)
+        post = shm.record_poster(self.info, self.algorithm, KIND[collective], _scalar_code(dtype),
+                                 -1 if op is None else int(op), _code(algorithm), root,
+                                 collective not in EVERY_INPUT_NEEDED)
+
+        def check(elements: int) -> None:
+            if link.error is not None:
+                raise raised_for(link.error, self.algorithm)
+            try:
+                if not post(elements):
+                    return
+                rows = shm.records(self.info, self.algorithm)
+            except CollectiveMismatchError as e:
+                # Another rank found the records differ first, or a peer is in a shared-memory
+                # call: its text ends the group here too.
+                self._mismatch(str(e))
+            names = algorithms()
+            detail = "; ".join(f"rank {self.info.global_rank(r)}: {_described(row, names)}"
+                               for r, row in enumerate(rows))
+            # Built from the records alone: every rank that finds the difference words it alike.
+            self._mismatch(f"{MISMATCH_MARKS[0]} (caught before any data moved between them): {detail}")
+
+        return check
+
+    def _mismatch(self, text: str) -> None:
+        """Ranks called differently and some may have posted their first transfers: the
+        group ends on every rank, with `text` (the first published, where ranks found it
+        at once)."""
+        from commlab.transports import setup, shm
+
+        link = self.link
+        if link.error is None:
+            text = link.give_up(text)
+            if link.backend is None:  # peers may wait in the connection's set-up
+                setup.mark_abort(self.info.group, text)
+        else:
+            text = link.error
+        shm.abort(self.info, self.algorithm, text, mismatch=True)
+        self._spread(text)
+        raise CollectiveMismatchError(text)
 
     def _records_route(self):
         """How this group gathers call records, decided once (collective): through shared
@@ -362,7 +458,7 @@ class P2P:
         if ok is False:
             raise self._error(meta, TimeoutError(f"no completion within {self.info.timeout}"))
 
-    def _error(self, meta: list[tuple[str, int]], cause: BaseException) -> PeerError:
+    def _error(self, meta: list[tuple[str, int]], cause: BaseException) -> CommlabError:
         """The error of a failed wait, the same on every rank: the reason a peer published
         if it gave up first, else this rank's own observation, published for the others."""
         peer = meta[0][1] if len({p for _, p in meta}) == 1 and meta[0][1] >= 0 else None
@@ -373,7 +469,7 @@ class P2P:
         elif self.link.error is None:
             self.link.trip(text)
         self._spread(text)
-        return PeerError(text, algorithm=self.algorithm, peer=gpeer)
+        return raised_for(text, self.algorithm, gpeer)
 
     def _observed(self, meta: list[tuple[str, int]], cause: BaseException) -> str:
         me = self.info.global_rank(self.info.rank)

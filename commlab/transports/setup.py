@@ -12,7 +12,12 @@ import threading
 import torch.distributed as dist
 
 from commlab.core import ext, groups
-from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError
+from commlab.core.errors import (
+    MISMATCH_MARKS,
+    CollectiveMismatchError,
+    CommlabError,
+    PeerError,
+)
 from commlab.core.groups import GroupInfo
 
 
@@ -123,14 +128,15 @@ def host_ids(info: GroupInfo, transport: str, what: str = "grouping ranks by hos
     return list(known)
 
 
-def interruptibly(info: GroupInfo, step, transport: str = "shm", what: str = "setup"):
+def interruptibly(info: GroupInfo, step, transport: str = "shm", what: str = "setup", guard=None):
     """step()'s result; step is a collective of the group's setup (a gloo gather, a gloo
     context connecting). It runs on a helper thread (a dead peer still fails it at once)
     while the caller waits in slices: a signal (Ctrl-C) reaches it within 20 ms, and an
     interrupted rank leaves an abort mark in the job's store that its peers raise on,
     also after their step completed against its helper. (Waiting in the gloo gather
     itself checked no signals: Ctrl-C in a first call's setup came through only when the
-    late peer arrived, 22 s.)"""
+    late peer arrived, 22 s.) guard() -> a mismatch's text, or None: asked as the abort
+    mark is (a peer in another transport's call never joins the step)."""
     out, failed, done = [], [], threading.Event()
     group = info.group
 
@@ -151,10 +157,14 @@ def interruptibly(info: GroupInfo, step, transport: str = "shm", what: str = "se
         while not done.wait(pause):
             if store.check([abort]):
                 break
+            if guard is not None and (text := guard()) is not None:
+                raise CollectiveMismatchError(text)
             pause = min(pause * 2, _SLICE)
         if store.check([abort]):  # the interrupted rank's helper may have completed our step
-            raise PeerError(f"commlab[{transport}]: {what}: {store.get(abort).decode()}", algorithm=transport,
-                            peer=None)
+            text = store.get(abort).decode()
+            if text.startswith(MISMATCH_MARKS):  # a peer's calls differed: the same error as there
+                raise CollectiveMismatchError(text)
+            raise PeerError(f"commlab[{transport}]: {what}: {text}", algorithm=transport, peer=None)
     except KeyboardInterrupt:
         try:
             store.set(abort, f"rank {info.global_rank(info.rank)} was interrupted (Ctrl-C) during {what}")
@@ -208,7 +218,9 @@ def translate(error: BaseException, algorithm: str, failed_peer: int) -> Commlab
     C = ext.C
     msg = f"commlab[{algorithm}]: {error}"
     if isinstance(error, C.MismatchError):
-        return CollectiveMismatchError(msg)
+        # Worded from the records alone, already naming the transport: every rank's text
+        # is the same whichever algorithm its caller named.
+        return CollectiveMismatchError(str(error))
     if isinstance(error, C.PeerLostError):
         return PeerError(msg, algorithm=algorithm, peer=failed_peer if failed_peer >= 0 else None)
     if isinstance(error, RuntimeError):

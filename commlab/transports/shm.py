@@ -18,7 +18,12 @@ import torch
 import torch.distributed as dist
 
 from commlab.core import ext, groups
-from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError, UnsupportedError
+from commlab.core.errors import (
+    CollectiveMismatchError,
+    CommlabError,
+    PeerError,
+    UnsupportedError,
+)
 from commlab.core.groups import GroupInfo
 from commlab.transports.link import peer_timeout
 from commlab.transports.setup import Entry, agree, differing, gather, host_id, translate
@@ -200,24 +205,75 @@ def barrier(info: GroupInfo, algorithm: str) -> None:
     _call(info, algorithm, lambda comm: comm.barrier())
 
 
-def abort(info: GroupInfo, algorithm: str, why: str) -> None:
+def record_poster(info: GroupInfo, algorithm: str, kind: int, dtype: int, op: int, code: int, root: int,
+                  wait_all: bool):
+    """ShmComm.post_record bound to one kind of point-to-point call, for the check on its
+    every call: post(elements) publishes and compares the record and returns whether a
+    peer's differs (a call of no elements waits for every peer's)."""
+    entry = state_of(info)
+    lock = entry.lock
+
+    def post(elements: int) -> bool:
+        comm = entry.comm
+        if comm is None or not lock.acquire(False):  # before setup, or another thread holds it: the long way
+            return _call(info, algorithm, lambda c: c.post_record(kind, elements, dtype, op, code, root,
+                                                                  wait_all or not elements), entry)
+        try:
+            if entry.comm is not comm:  # replaced while this thread looked
+                raise _call_failed(entry, comm, CommlabError("the group's shared memory was given up"), algorithm)
+            return comm.post_record(kind, elements, dtype, op, code, root, wait_all or not elements)
+        except CommlabError:
+            raise
+        except BaseException as e:
+            raise _call_failed(entry, comm, e, algorithm) from None
+        finally:
+            lock.release()
+
+    return post
+
+
+def records(info: GroupInfo, algorithm: str) -> list[list[int]]:
+    """Every rank's record of the last posted call (ShmComm.records), one row per rank."""
+    flat = _call(info, algorithm, lambda comm: comm.records())
+    return [flat[i:i + 9] for i in range(0, len(flat), 9)]
+
+
+def mismatch_seen(info: GroupInfo) -> str | None:
+    """The text of a mismatch a peer gave the group's shared memory up with, without
+    waiting, or None (the watcher of a long point-to-point wait asks: the peer may be in a
+    shared-memory call that met this rank's record). None also while this rank's own
+    thread holds the communicator."""
+    entry = _entries.get(info.group)
+    if not entry.lock.acquire(False):
+        return None
+    try:
+        comm = entry.comm
+        state, _, reason = comm.peer_abort() if comm is not None else (0, -1, "")
+    finally:
+        entry.lock.release()
+    return reason if state == 2 else None
+
+
+def abort(info: GroupInfo, algorithm: str, why: str, mismatch: bool = False) -> None:
     """Give the group's shared memory up for a reason found elsewhere (another stage of
-    a hierarchical call): peers waiting on this rank fail at once, naming it."""
+    a hierarchical call, a point-to-point call's records that differ): peers waiting on
+    this rank fail at once, naming it (as a mismatch where `mismatch`)."""
     entry = _entries.get(info.group)
     with entry.lock:
         comm = entry.comm
         if comm is None:
             return
         try:
-            comm.abort(why)
+            comm.abort(why, mismatch)
         except Exception:  # noqa: BLE001 - already unusable: its peers were told then
             pass
         entry.comm = None
-        entry.call_failed("shared memory", algorithm, CommlabError(why), None)  # later calls say why
+        later = CollectiveMismatchError(why) if mismatch else CommlabError(why)
+        entry.call_failed("shared memory", algorithm, later, None)  # later calls say why
         comm.close()
 
 
-def _call(info: GroupInfo, algorithm: str, run, entry: Entry | None = None) -> None:
+def _call(info: GroupInfo, algorithm: str, run, entry: Entry | None = None):
     if entry is None:
         entry = _entries.get(info.group)
     with entry.lock:
@@ -225,7 +281,7 @@ def _call(info: GroupInfo, algorithm: str, run, entry: Entry | None = None) -> N
         if comm is None:
             comm = _ready(entry, info, algorithm)
         try:
-            run(comm)
+            return run(comm)
         except BaseException as e:
             raise _call_failed(entry, comm, e, algorithm) from None
 

@@ -5,6 +5,8 @@
 // commlab._C.codes().
 #pragma once
 
+#include <cstdint>
+
 namespace commlab {
 
 // kU8 stays last: loops over every type (the CUDA preload) walk the values up to it.
@@ -19,6 +21,10 @@ constexpr int kAvgRecord = 4;
 
 // The reduction a recorded op code runs: AVG's is SUM.
 inline RedOp reduction_of(int op) { return op == kAvgRecord ? RedOp::kSum : static_cast<RedOp>(op); }
+
+// Which collective a call is, in the call records of shared memory: ranks that called
+// different collectives fail with a mismatch instead of exchanging the wrong data.
+enum CallKind : int32_t { kAllReduce = 0, kAllGather = 1, kReduceScatter = 2, kBroadcast = 3, kBarrier = 4, kAllToAll = 5 };
 
 // Shared memory: one-shot (every rank reduces all inputs), two-shot (reduce-scatter
 // then gather), root (rank 0 reduces, the parameter-server pattern); auto picks one- or

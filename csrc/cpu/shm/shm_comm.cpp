@@ -1,4 +1,5 @@
 #include "shm_comm.h"
+#include "layout.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -31,86 +32,6 @@
 
 namespace commlab {
 namespace {
-
-constexpr uint64_t kMagic = 0x31424c4d4d4f43ull;  // "COMMLB1"
-constexpr uint32_t kVersion = 6;
-constexpr int64_t kDataOffset = 4096;
-constexpr int kReasonBytes = 1024;
-constexpr int64_t kSliceMs = 50;     // longest futex sleep: bounds how late a signal or a death is seen
-constexpr int64_t kLivenessMs = 100;  // how often a sleeping waiter probes the awaited peer
-constexpr int64_t kSignalCheckMs = 20;  // how often a sleeping waiter asks Python for pending signals
-constexpr int64_t kBeatMs = 250;        // how often a process's heart beats in its segments
-
-struct alignas(64) Header {
-  uint64_t magic;
-  uint32_t version;
-  uint32_t world;
-  uint32_t rank;
-  uint32_t uid;
-  uint64_t capacity;
-  int64_t pid;
-  uint64_t self_addr;  // this header's address in its owner's process: what a single-copy probe reads
-  char token[33];
-};
-
-struct alignas(64) SeqLine {
-  std::atomic<uint64_t> seq;
-};
-
-struct alignas(64) WakeLine {
-  std::atomic<uint32_t> word;     // bumped on every publish and abort; futex waits on it
-  std::atomic<uint32_t> waiters;  // publishers skip the wake syscall when zero
-};
-
-// The whole call a piece belongs to, by piece parity: peers compare it before reading,
-// so a piece never pairs with a piece of another call.
-// Which collective a call is: part of the record, so ranks that called different
-// collectives fail with a mismatch instead of exchanging the wrong data.
-enum Kind : int32_t { kAllReduce = 0, kAllGather = 1, kReduceScatter = 2, kBroadcast = 3, kBarrier = 4, kAllToAll = 5 };
-
-struct alignas(64) CallInfo {
-  uint64_t piece_seq;
-  uint64_t call;
-  int64_t total;  // bytes of the whole call (all-gather: per rank; reduce-scatter: per rank's whole input)
-  int64_t index;  // piece index within the call
-  int64_t nbytes;
-  int32_t dtype;
-  int32_t op;
-  int32_t mode;
-  int32_t kind;
-  int32_t root;
-  uint64_t addr;  // single-copy calls: the caller's buffer, in its own process (not compared)
-};
-
-// Why a rank gave up, set once: kind << 32 | (global rank of the cause + 1). The reason
-// text is written before the word is published, so a reader that sees the word reads it.
-enum AbortKind : uint32_t { kTimeout = 1, kDead = 2, kMismatch = 3, kInterrupted = 4, kError = 5, kFrozen = 6 };
-struct alignas(64) AbortLine {
-  std::atomic<uint32_t> claimed;
-  std::atomic<uint64_t> word;
-  // Calls the rank had completed when it gave up (written before the word): a peer still
-  // finishing one of those completes it too, and meets the abort in its next call.
-  std::atomic<uint64_t> finished;
-  char reason[kReasonBytes];
-};
-
-// Bumped by a thread of the owner's process while it lives and runs: a peer whose lock
-// is held (alive) but whose counter stands still is frozen (SIGSTOP, a debugger, a hung
-// host under a VM), which neither the lock nor a socket ever shows.
-struct alignas(64) BeatLine {
-  std::atomic<uint64_t> beats;
-};
-
-struct Layout {
-  Header header;
-  SeqLine seq;
-  WakeLine wake;
-  AbortLine abort;
-  CallInfo info[2];
-  BeatLine beat;
-};
-static_assert(sizeof(Layout) <= kDataOffset, "control block must fit before the data");
-static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics in shared memory");
 
 long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const struct timespec* ts) {
   return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
@@ -190,30 +111,6 @@ class Heart {
 };
 
 }  // namespace
-
-// A segment stays open as well as mapped: the owner holds an exclusive flock on it for
-// its lifetime and peers probe that lock to learn whether the owner is gone. Unlike a
-// pid, a lock means the same in every PID namespace and cannot be reused.
-// What every piece of a call records (CallInfo less the per-piece fields).
-struct ShmComm::Call {
-  int32_t kind;
-  int64_t total;
-  int32_t dtype;
-  int32_t op;
-  int32_t mode;
-  int32_t root;
-};
-
-struct ShmComm::Segment {
-  std::string name;
-  void* base = nullptr;
-  size_t size = 0;
-  int fd = -1;
-  Layout* ctl() const { return static_cast<Layout*>(base); }
-  char* data(int parity, int64_t capacity) const {
-    return static_cast<char*>(base) + kDataOffset + parity * capacity;
-  }
-};
 
 std::string ShmComm::segment_name(int64_t rank) const {
   return "/commlab-" + token_ + "-" + std::to_string(rank);
@@ -654,6 +551,11 @@ void ShmComm::check_info(int peer, uint64_t piece_seq, bool peer_may_be_past) {
   auto describe = [](std::ostringstream& out, int64_t rank, const CallInfo& ci) {
     out << "rank " << rank << ": call " << ci.call << " " << kind_name(ci.kind);
     if (ci.kind == kBarrier) return;
+    if (ci.index == kRecordIndex) {  // a point-to-point call's record: elements, and no piece
+      out << " of " << ci.total << " " << c10::toString(static_cast<c10::ScalarType>(ci.dtype))
+          << " by a point-to-point algorithm";
+      return;
+    }
     if (ci.kind == kAllToAll) {  // sizes per peer: compared through the splits, not the record
       out << " of " << c10::toString(static_cast<c10::ScalarType>(ci.dtype)) << " (piece " << ci.index << ")";
       return;
@@ -767,33 +669,6 @@ bool ShmComm::try_allreduce(const at::Tensor& t, int64_t op, int64_t mode, int64
   if (!like_plan(t, dtype)) return false;
   allreduce(t, op, mode);
   return true;
-}
-
-// Runs a call's pieces without the GIL. Anything but a protocol failure mid-call still
-// leaves peers waiting on this rank: tell them.
-template <class Body>
-void ShmComm::guarded(Body&& body) {
-  ++calls_;
-  in_call_ = true;
-  struct Leave {
-    bool& flag;
-    ~Leave() { flag = false; }
-  } leave{in_call_};
-  pybind11::gil_scoped_release no_gil;
-  try {
-    body();
-  } catch (const MismatchError&) {
-    throw;
-  } catch (const PeerLostError&) {
-    throw;
-  } catch (const pybind11::error_already_set&) {
-    throw;
-  } catch (const std::exception& e) {
-    const std::string why = "commlab shm: rank " + std::to_string(global_ranks_[rank_]) + " failed: " + e.what();
-    mark_aborted(kError, global_ranks_[rank_], why);
-    broken_ = why;
-    throw;
-  }
 }
 
 void ShmComm::allreduce(const at::Tensor& t, int64_t op, int64_t mode) {
@@ -1120,9 +995,9 @@ bool ShmComm::try_alltoall(const at::Tensor& out, const at::Tensor& in, int64_t 
   return true;
 }
 
-void ShmComm::abort(const std::string& why) {
+void ShmComm::abort(const std::string& why, bool mismatch) {
   check_usable();
-  mark_aborted(kError, global_ranks_[rank_], why);
+  mark_aborted(mismatch ? kMismatch : kError, global_ranks_[rank_], why);
   broken_ = why;
 }
 

@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../../common/codes.h"
@@ -83,8 +84,24 @@ class ShmComm {
   int64_t piece_bytes() const { return piece_bytes_; }
   void set_piece_bytes(int64_t bytes) { piece_bytes_ = bytes; }
   // Gives up on this communicator for a reason found outside it (another stage of a
-  // hierarchical call failed): peers waiting on this rank fail at once, with `why`.
-  void abort(const std::string& why);
+  // hierarchical call failed, a point-to-point call's records differ): peers waiting on
+  // this rank fail at once, with `why` (as a mismatch where `mismatch`).
+  void abort(const std::string& why, bool mismatch = false);
+
+  // A point-to-point call's record (transports/p2p.py, records.cpp): published as a piece
+  // without data and compared with the record of every peer already in the call; with
+  // `wait_all`, with every peer's. Returns whether a peer's record differs (the caller
+  // words the error from records()); a peer in another transport's call fails here as a
+  // mismatch of this protocol.
+  bool post_record(int64_t kind, int64_t elements, int64_t dtype, int64_t op, int64_t algorithm, int64_t root,
+                   bool wait_all);
+  // Every rank's record of the last posted call, waited for: per rank [piece, call, kind,
+  // elements, dtype, op, algorithm, root, index] (index -1: a point-to-point record;
+  // otherwise a shared-memory call's piece, its elements in bytes).
+  std::vector<int64_t> records();
+  // A peer that gave up, without waiting: (1, or 2 on a mismatch; its global rank; its
+  // reason), or (0, -1, ""). Read by the thread that watches a long point-to-point wait.
+  std::tuple<int64_t, int64_t, std::string> peer_abort() const;
   void close();
 
   // Removes every rank's segment name of a group (after a failed setup: survivors
@@ -110,7 +127,7 @@ class ShmComm {
   struct Segment;
   struct Call;
   template <class Body>
-  void guarded(Body&& body);
+  void guarded(Body&& body, bool may_wait = true);
   void begin(uint64_t c, const Call& call, int64_t index, int64_t nbytes, uint64_t phase = 1);
   void record_only(const Call& call);
   void await_checked(int peer, uint64_t c, uint64_t phase, bool peer_may_be_past = false);
@@ -153,6 +170,11 @@ class ShmComm {
   bool own_unlinked_ = false;
   uint64_t seq_ = 0;    // pieces run so far
   uint64_t calls_ = 0;  // calls run so far
+  uint64_t record_seq_ = 0;  // the piece of the last point-to-point record (post_record)
+  // A record that waited for no peer was the last piece: a peer may still be reading the
+  // piece before it, whose buffers and record slot the next piece would write (settle).
+  bool unsynced_ = false;
+  void settle();
   bool in_call_ = false;  // inside guarded(): a give-up now is this call's
   std::string broken_;
   int64_t failed_peer_ = -1;
