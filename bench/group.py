@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commlab.measure import launch
+from commlab.measure import launch, pools
 
 STOP = -1
 ALLREDUCE, DDP_STEP, ALLGATHER, REDUCESCATTER, BROADCAST, ALLTOALL = 0, 1, 2, 3, 4, 5
@@ -152,7 +152,7 @@ class BenchGroup:
         self.world_size = world_size
         self.names = commlab.algorithms.for_device("cpu")
         # commlab's one local launcher: helpers are ranks 1..N-1, this process is rank 0.
-        self.pool = launch.RankPool(world_size, spawn=range(1, world_size), pg_timeout_s=120.0)
+        self.pool = pools.RankPool(world_size, spawn=range(1, world_size), pg_timeout_s=120.0)
         self.pool.local_init(0)
         torch.set_num_threads(1)
         self.pool.submit(_helper)

@@ -17,7 +17,12 @@ from commlab.api.all_reduce import algorithm_names, all_reduce, get_algorithm
 from commlab.api.all_to_all import all_to_all
 from commlab.api.broadcast import broadcast
 from commlab.api.reduce_scatter import reduce_scatter
-from commlab.core.errors import CollectiveMismatchError, CommlabError, PeerError, UnsupportedError
+from commlab.core.errors import (
+    CollectiveMismatchError,
+    CommlabError,
+    PeerError,
+    UnsupportedError,
+)
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.core.reduction import Op
-from commlab.measure import launch
+from commlab.measure import pools
 from commlab.measure.specs import SPECS
 
 RANKS, ROUNDS, CALLS = 4, 6, 5
@@ -64,10 +64,10 @@ if __name__ == "__main__":
     for nbytes in (12_600_000, 50_000_000):
         for algorithm in ("builtin", "shm"):
             for collective in ("all_gather", "reduce_scatter"):
-                o = launch.run_once(RANKS, fresh_or_reused, algorithm, collective, nbytes, backend="gloo", timeout=600)
+                o = pools.run_once(RANKS, fresh_or_reused, algorithm, collective, nbytes, backend="gloo", timeout=600)
                 reused, fresh = slowest(o, 0), slowest(o, 1)
                 print(f"{nbytes / 1e6:5.1f} MB {algorithm:8s} {collective:15s} reused {reused:7.1f} ms  "
                       f"fresh {fresh:7.1f} ms", flush=True)
-        o = launch.run_once(RANKS, avg_or_sum, nbytes, backend="gloo", timeout=600)
+        o = pools.run_once(RANKS, avg_or_sum, nbytes, backend="gloo", timeout=600)
         print(f"{nbytes / 1e6:5.1f} MB gloo reduce_scatter_tensor  SUM {slowest(o, 'SUM'):7.1f} ms  "
               f"AVG {slowest(o, 'AVG'):7.1f} ms", flush=True)

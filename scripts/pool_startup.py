@@ -1,5 +1,5 @@
 """How long the one local launcher takes to start, use and close a pool of ranks
-(commlab.measure.launch.RankPool: every test pool, fault drill and --world-size job).
+(commlab.measure.pools.RankPool: every test pool, fault drill and --world-size job).
 
     python scripts/pool_startup.py            # pools of 2, 3 and 4 ranks, 3 times each
 """
@@ -15,7 +15,7 @@ def _rank(rank: int, world: int) -> int:
 
 
 def main(argv=None) -> int:
-    from commlab.measure.launch import RankPool
+    from commlab.measure.pools import RankPool
 
     sizes = [int(x) for x in (argv or sys.argv[1:])] or [2, 3, 4]
     print("| ranks | start (s) | one job (s) | close (s) |")

@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from commlab.measure import launch, syncprobe
+from commlab.measure import pools, syncprobe
 from commlab.training.fsdp import minor_faults
 
 
@@ -107,9 +107,9 @@ def main() -> None:
         return trace_classes(a.trace)
     order = a.order.split(",")
     matmuls = max(1, round(syncprobe.WORK_MS * syncprobe._matmuls_per_ms()))
-    outcomes = launch.run_once(a.world_size, _rank, order, a.width, a.depth, a.steps, a.mib << 20, matmuls, a.reps,
+    outcomes = pools.run_once(a.world_size, _rank, order, a.width, a.depth, a.steps, a.mib << 20, matmuls, a.reps,
                                backend="gloo", timeout=1800)
-    bad = launch.report_failures(outcomes)
+    bad = pools.report_failures(outcomes)
     if bad:
         raise SystemExit(bad)
     for i, at in enumerate(j for j, w in enumerate(order) if w == "probe"):

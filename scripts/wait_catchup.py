@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from commlab.measure import launch, syncprobe
+from commlab.measure import pools, syncprobe
 
 CONTENDED = "contended"
 
@@ -60,9 +60,9 @@ def main():
     per_ms = syncprobe._matmuls_per_ms()
     runs = [CONTENDED, *args.algorithms.split(","), CONTENDED]
     world = args.world_size
-    outcomes = launch.run_once(world, rank_fn, round(50 * per_ms), round(args.lag_ms * per_ms), runs, args.reps,
+    outcomes = pools.run_once(world, rank_fn, round(50 * per_ms), round(args.lag_ms * per_ms), runs, args.reps,
                                1 << 20, backend="gloo", timeout=600)
-    bad = launch.report_failures(outcomes)
+    bad = pools.report_failures(outcomes)
     if bad:
         raise SystemExit(bad)
     print(f"# {world} ranks, the last one {args.lag_ms:g} ms of an idle core behind; means over reps 3..{args.reps}")

@@ -4,10 +4,10 @@ import pytest
 import torch
 from ranks import RankPool
 
-from commlab.measure import launch
+from commlab.measure import pools
 
 # Many tests' ranks build DDP, whose constructor imports torch._dynamo: once, in the ranks' server.
-launch.preload("torch._dynamo")
+pools.preload("torch._dynamo")
 
 # Small segments and buffers so moderate test sizes exercise the ring's pipelining,
 # shared memory's pieces (tensors larger than a buffer) and both shm modes.

@@ -1,4 +1,4 @@
-"""The tests' rank pools are commlab's own local launcher (commlab.measure.launch):
+"""The tests' rank pools are commlab's own local launcher (commlab.measure.pools):
 ranks spawned once per world size and reused (conftest.py), each function run on every
 rank with a hard deadline, a failing rank's traceback or a silent rank's stacks as the
 test's error message."""
@@ -8,7 +8,7 @@ import shutil
 import signal
 import subprocess
 
-from commlab.measure.launch import Outcome, RankFailure, RankPool  # noqa: F401
+from commlab.measure.pools import Outcome, RankFailure, RankPool  # noqa: F401
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", "COMMLAB_SPAWNED")

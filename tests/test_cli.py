@@ -590,7 +590,7 @@ def test_ranks_start_with_what_ddp_imports_already_imported():
     0.85 s of CPU in every rank of every pool that builds one, and compare's modes, the
     hooks' and the docs' examples start hundreds. The forkserver imports it once (this
     suite's conftest asks for it, as compare does)."""
-    from commlab.measure.launch import RankPool
+    from commlab.measure.pools import RankPool
 
     pool = RankPool(2)
     try:
@@ -602,10 +602,10 @@ def test_ranks_start_with_what_ddp_imports_already_imported():
 def _server_preload(entry: str) -> list:
     """The modules an entry point's ranks' server imports: its first pool's preload."""
     code = ("import runpy, sys\n"
-            "from commlab.measure import launch\n"
+            "from commlab.measure import pools\n"
             "def stop(*a, **k):\n"
-            "    print(sorted(launch._PRELOAD)); sys.exit(0)\n"
-            "launch.RankPool.__init__ = stop\n"
+            "    print(sorted(pools._PRELOAD)); sys.exit(0)\n"
+            "pools.RankPool.__init__ = stop\n"
             f"sys.argv = {entry.split()!r}\n"
             f"runpy.run_module(sys.argv[0], run_name='__main__')\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

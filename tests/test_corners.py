@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import commlab
-from commlab.measure.launch import RankPool
+from commlab.measure.pools import RankPool
 
 FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 N = 4096

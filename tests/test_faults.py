@@ -327,7 +327,7 @@ def test_a_group_whose_transfer_failed_refuses_reuse():
 
 _ORPHAN_PARENT = """
 import sys, time
-from commlab.measure.launch import RankPool
+from commlab.measure.pools import RankPool
 
 
 def block(rank, world):
@@ -386,7 +386,7 @@ def test_ranks_end_when_the_process_that_started_them_dies(tmp_path, signal_name
 
 
 _UNCLOSED_PARENT = """
-from commlab.measure.launch import RankPool
+from commlab.measure.pools import RankPool
 
 
 def rank_of(rank, world):
@@ -443,9 +443,9 @@ def test_a_pool_whose_rank_cannot_start_leaves_nothing_behind(monkeypatch):
     import glob
     import tempfile
 
-    from commlab.measure import launch
+    from commlab.measure import pools
 
-    real = launch._context()
+    real = pools._context()
     started = []
 
     class Unstartable:
@@ -464,12 +464,12 @@ def test_a_pool_whose_rank_cannot_start_leaves_nothing_behind(monkeypatch):
             started.append(real.Process(*a, **k))
             return started[-1]
 
-    launch.RankPool(1, backend=None).close()  # the fork server up: its descriptors are this process's for good
-    monkeypatch.setattr(launch, "_context", lambda: Ctx())
+    pools.RankPool(1, backend=None).close()  # the fork server up: its descriptors are this process's for good
+    monkeypatch.setattr(pools, "_context", lambda: Ctx())
     fds = _open_fds()
     dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "commlab-ranks-*")))
     with pytest.raises(OSError, match="Too many open files"):
-        launch.RankPool(2, backend=None)
+        pools.RankPool(2, backend=None)
     gc.collect()  # the pool's queues close their pipes when collected; the lifeline's raw ends never would
     assert len(started) == 1
     started[0].join(10)

@@ -124,7 +124,7 @@ def test_a_send_half_written_to_a_dead_peer_fails_within_seconds(monkeypatch):
     # the broadcast drill waited out the group's timeout in 1 run of ~130 (CI, 2026-12-04).
     import threading
 
-    from commlab.measure.launch import RankPool
+    from commlab.measure.pools import RankPool
 
     monkeypatch.setenv("COMMLAB_PEER_TIMEOUT", "2")
     pool = RankPool(2, pg_timeout_s=30)

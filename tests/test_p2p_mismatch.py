@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import commlab
-from commlab.measure.launch import RankPool
+from commlab.measure.pools import RankPool
 
 P2P_ALGORITHMS = ["ps", "ps_sharded", "ring", "rhd", "rd", "direct", "builtin"]
 MiB = 1 << 20
@@ -89,7 +89,8 @@ def early_check(rank, p, late_s):
     healthy call. Returns how long rank 0's check took and the healthy call's sum."""
     from commlab.core import groups
     from commlab.core.reduction import Op
-    from commlab.transports.p2p import P2P, CallRecord
+    from commlab.transports.p2p import P2P
+    from commlab.transports.records import CallRecord
 
     group = dist.new_group()
     x = torch.ones(1024)

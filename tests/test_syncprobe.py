@@ -118,11 +118,11 @@ def test_the_probe_reduces_a_bucket_in_place_on_ranks_of_this_machine():
 def test_several_probes_run_on_one_set_of_ranks(monkeypatch):
     """Starting and joining a set of ranks took most of a short probe (1.7 s each of the
     docs' example's three): every probe of a sample runs on one set, each still its own."""
-    from commlab.measure import launch
+    from commlab.measure import pools
 
     launches = []
-    real = launch.run_once
-    monkeypatch.setattr(launch, "run_once", lambda *a, **kw: launches.append(a[0]) or real(*a, **kw))
+    real = pools.run_once
+    monkeypatch.setattr(pools, "run_once", lambda *a, **kw: launches.append(a[0]) or real(*a, **kw))
     got = syncprobe.measure_all(2, [("all_reduce", "shm", 1 << 16), ("all_gather", "builtin", 1 << 12)],
                                 work_ms=2.0, reps=4)
     assert launches == [2] and [g["bytes"] for g in got] == [1 << 16, 1 << 12]
@@ -143,11 +143,11 @@ def _zero_partition(rank, world, sizes):
 def test_zero1s_owners_are_torchs():
     """The probe broadcasts each parameter from the rank torch's ZeroRedundancyOptimizer
     gives it, in its order (largest first, each to the rank holding the fewest bytes)."""
-    from commlab.measure import launch
+    from commlab.measure import pools
 
     sizes = [4096, 64, 8192, 4096, 256, 8192, 128, 4]  # ties in size and in bytes held
-    outcomes = launch.run_once(2, _zero_partition, sizes, backend="gloo", timeout=60)
-    assert not launch.report_failures(outcomes)
+    outcomes = pools.run_once(2, _zero_partition, sizes, backend="gloo", timeout=60)
+    assert not pools.report_failures(outcomes)
     assert outcomes[0].result == syncprobe.zero1_owners(sizes, 2) == [[2, 0, 4], [5, 3, 6, 1, 7]]
 
 
@@ -187,11 +187,11 @@ def test_zero1s_probe_steps_each_ranks_own_parameters_before_the_broadcasts(opti
     after their quarters of AdamW (six runs' traces, 2026-12-06), a wait the probe after
     fixed work never showed. With an optimizer named, each call follows that optimizer's step on the
     rank's own parameters, and that step is the work (no fixed work besides)."""
-    from commlab.measure import launch
+    from commlab.measure import pools
 
     sizes = [4096, 64, 8192, 4096, 256, 8192, 128, 4]
-    outcomes = launch.run_once(2, _zero1_steps, sizes, optimizer, backend="gloo", timeout=60)
-    assert not launch.report_failures(outcomes)
+    outcomes = pools.run_once(2, _zero1_steps, sizes, optimizer, backend="gloo", timeout=60)
+    assert not pools.report_failures(outcomes)
     owners = syncprobe.zero1_owners(sizes, 2)
     for r in range(2):
         stepped, before_call = outcomes[r].result
@@ -239,10 +239,10 @@ def test_the_probe_times_the_call_not_the_making_of_its_buffers():
     """FSDP2 writes a reduce-scatter's input (its gradients) before the call: a probe that
     made and wrote its 48 MiB input inside the timed call read gloo's reduce-scatter at
     187 ms where training's took 131, shm's at 59 where training's took 33 (2026-12-06)."""
-    from commlab.measure import launch
+    from commlab.measure import pools
 
-    outcomes = launch.run_once(2, _probe_with_slow_buffers, backend="gloo", timeout=60)
-    assert not launch.report_failures(outcomes)
+    outcomes = pools.run_once(2, _probe_with_slow_buffers, backend="gloo", timeout=60)
+    assert not pools.report_failures(outcomes)
     # 0.1 s: far above a 64 KiB call's time even on loaded cores (the max of four, with the first call's set-up,
     # read 42 ms once with 40 the bound), far below the 0.2 s spent making buffers.
     assert max(o.result for o in outcomes.values()) < 0.1

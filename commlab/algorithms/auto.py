@@ -85,7 +85,9 @@ class Auto(Algorithm):
 
     @staticmethod
     def _registry():
-        from commlab import algorithms  # the package imports this module while it registers
+        from commlab import (
+            algorithms,  # the package imports this module while it registers
+        )
 
         return algorithms
 

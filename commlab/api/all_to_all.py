@@ -11,7 +11,7 @@ from commlab.algorithms.all_to_all.base import Counts
 from commlab.api import family
 from commlab.core import groups
 from commlab.core.errors import UnsupportedError
-from commlab.transports.p2p import CallRecord
+from commlab.transports.records import CallRecord
 
 
 def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, *,

@@ -13,7 +13,8 @@ from commlab.api import lanes
 from commlab.core import groups
 from commlab.core.errors import CollectiveMismatchError, UnsupportedError
 from commlab.core.reduction import Op
-from commlab.transports.p2p import P2P, CallRecord
+from commlab.transports.p2p import P2P
+from commlab.transports.records import CallRecord
 
 
 class Plan:

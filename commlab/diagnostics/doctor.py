@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from commlab.measure import launch
+from commlab.measure import launch, pools
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 
@@ -213,7 +213,7 @@ def smoke_test(world_size: int, timeout_s: float = 30.0) -> list[Check]:
     import commlab
 
     names = commlab.algorithms.for_device("cpu")
-    outcomes = launch.run_once(world_size, _smoke_rank, backend="gloo", pg_timeout_s=timeout_s,
+    outcomes = pools.run_once(world_size, _smoke_rank, backend="gloo", pg_timeout_s=timeout_s,
                                timeout=timeout_s * (len(names) + 1) + 60)
     return _verdicts(names, world_size, {r: o.result for r, o in outcomes.items() if o.status == "ok"}, "local ")
 

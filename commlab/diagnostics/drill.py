@@ -197,7 +197,7 @@ def drill(algorithm: str, fault: str, world_size: int = 3, delay: float = 0.5, h
           pg_timeout_s: float = 60.0, collective: str = "all_reduce") -> dict:
     """Run one drill in fresh processes; returns every survivor's outcome and `last_s`,
     the time from the fault to the last survivor's error (None if one never raised)."""
-    from commlab.measure.launch import RankPool
+    from commlab.measure.pools import RankPool
 
     host_of = [r * hosts // world_size for r in range(world_size)] if hosts > 1 else None
     pool = RankPool(world_size, pg_timeout_s=pg_timeout_s)

@@ -27,7 +27,7 @@ from commlab import algorithms
 from commlab.algorithms import tuning
 from commlab.core import groups
 from commlab.core.reduction import Op, parse_op
-from commlab.measure import clocks, costmodel, envinfo, launch
+from commlab.measure import clocks, costmodel, envinfo, launch, pools
 from commlab.measure.rows import anchor_rows, registry_rows
 from commlab.measure.specs import SPECS, check_input, check_op
 from commlab.measure.timing import Interleaved, round_order
@@ -447,8 +447,8 @@ def main(argv=None) -> int:
     if how is None:
         return 2
     if args.world_size and how.kind == "single":
-        outcomes = launch.run_once(args.world_size, _spawned_rank, args, threads=_threads())
-        failed = launch.report_failures(outcomes)
+        outcomes = pools.run_once(args.world_size, _spawned_rank, args, threads=_threads())
+        failed = pools.report_failures(outcomes)
         if failed:
             print(failed, file=sys.stderr)
             return 1

@@ -28,7 +28,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from commlab import algorithms
-from commlab.measure.units import approx_bytes, format_bytes, parse_bytes, parse_duration_us, parse_rate_gbps
+from commlab.measure.units import (
+    approx_bytes,
+    format_bytes,
+    parse_bytes,
+    parse_duration_us,
+    parse_rate_gbps,
+)
 
 
 @dataclass(frozen=True)

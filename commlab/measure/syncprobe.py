@@ -224,13 +224,13 @@ def measure_all(world: int, probes: list[tuple[str, str, object]], work_ms: floa
                 timeout: float = 300.0) -> list[dict]:
     """Several probes, one after another on one set of ranks (a set costs a second or more
     to start and join: most of a short probe): measure()'s figures for each."""
-    from commlab.measure import launch
+    from commlab.measure import pools
 
     if not probes:
         return []
     matmuls = max(1, round(work_ms * _matmuls_per_ms()))
-    outcomes = launch.run_once(world, probe_rank, list(probes), matmuls, reps, backend="gloo", timeout=timeout)
-    bad = launch.report_failures(outcomes)
+    outcomes = pools.run_once(world, probe_rank, list(probes), matmuls, reps, backend="gloo", timeout=timeout)
+    bad = pools.report_failures(outcomes)
     if bad:
         names = ", ".join(f"{c} {a}" for c, a, *_ in probes)
         raise RuntimeError(f"the probe of {names} failed:\n{bad}")

@@ -12,15 +12,13 @@ the group's timeout, and a failure names the algorithm and the rank that failed.
 """
 from __future__ import annotations
 
-import functools
 import os
-import zlib
 
 import torch
 import torch.distributed as dist
 
-from commlab.core import ext, groups
-from commlab.core.collectives import COLLECTIVES, EVERY_INPUT_NEEDED, KIND
+from commlab.core import groups
+from commlab.core.collectives import EVERY_INPUT_NEEDED, KIND
 from commlab.core.errors import (
     MISMATCH_MARKS,
     CollectiveMismatchError,
@@ -29,8 +27,16 @@ from commlab.core.errors import (
     raised_for,
 )
 from commlab.core.groups import GroupInfo
-from commlab.core.reduction import SUPPORTED_DTYPES, Op
+from commlab.core.reduction import Op
 from commlab.transports.link import Link
+from commlab.transports.records import (
+    CallRecord,
+    describe,
+    described,
+    disagreeing_splits,
+    name_code,
+    scalar_code,
+)
 
 # Per group: its connection, the first failure, how many calls agreed. Receives and sends
 # of a failed step stay posted, so a retry on the same group could pair with that stale
@@ -55,42 +61,9 @@ def _moves_cuda(group: dist.ProcessGroup) -> bool:
 
 moves_cuda = groups.PerGroup(_moves_cuda).get  # asked on every GPU step
 
-# Every dtype a call may name (data movement takes any): the reducible ones first.
-_ALL_DTYPES = tuple(SUPPORTED_DTYPES) + tuple(
-    d for d in (getattr(torch, n, None) for n in ("bool", "int8", "int16", "uint16", "uint32", "uint64", "complex32",
-                                                 "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"))
-    if d is not None and d not in SUPPORTED_DTYPES)
-_DTYPES = {d: i for i, d in enumerate(_ALL_DTYPES)}
 # UNSAFE, for measuring the agreement's price only (docs/measurements.md): ranks that call
 # differently then pair mismatched messages (wrong data, or gloo aborting the process).
 UNAGREED = os.environ.get("COMMLAB_UNSAFE_SKIP_AGREEMENT", "") == "1"
-
-
-@functools.lru_cache(maxsize=None)  # a few names, asked on every agreed call
-def _code(name: str) -> int:
-    return zlib.crc32(name.encode()) & 0x7FFFFFFF
-
-
-def _decode(code: int, names) -> str:
-    return next((n for n in names if _code(n) == code), f"#{code}")
-
-
-@functools.lru_cache(maxsize=None)  # a few dtypes, asked on every call checked through shared memory
-def _scalar_code(dtype: torch.dtype) -> int:
-    return ext.require().ShmComm.dtype_code(torch.empty(0, dtype=dtype))
-
-
-def _described(row: list[int], algorithms) -> str:
-    """One rank's record read from shared memory (ShmComm.records), readable like
-    describe()'s; a rank in a shared-memory call shows that call's piece."""
-    _, call, kind, total, dtype, op, algorithm, root, index = row
-    name = next((n for n, k in KIND.items() if k == kind), f"#{kind}")
-    dt = next((str(d).replace("torch.", "") for d in _ALL_DTYPES if _scalar_code(d) == dtype), "?")
-    if index != -1:
-        return f"{name} of {total} bytes of {dt} through shared memory (call {call})"
-    how = f" {Op(op).name}" if op >= 0 else ""
-    where = f" root {root}" if root >= 0 else ""
-    return f"{name} of {total} {dt}{how}{where} by {_decode(algorithm, algorithms)} (call {call})"
 
 
 def abandon(group: dist.ProcessGroup, text: str) -> None:
@@ -102,43 +75,6 @@ def abandon(group: dist.ProcessGroup, text: str) -> None:
     link = _links.get(group)
     if link.backend is not None:
         link.give_up(text)
-
-
-class CallRecord:
-    """What one call is, as every rank must agree on it before any of its bytes move."""
-
-    HEAD = 7  # the columns every rank's record must share; all_to_all's counts follow
-
-    def __init__(self, collective: str, elements: int, dtype: torch.dtype, op: Op | None, algorithm: str,
-                 root: int = -1, splits: tuple[list[int], list[int]] | None = None):
-        self.collective, self.elements, self.dtype, self.op = collective, elements, dtype, op
-        self.algorithm, self.root = algorithm, root
-        self.splits = splits  # all_to_all: (elements sent to, received from) each group rank
-
-    def row(self, call: int, p: int) -> list[int]:
-        # Every record of a group has one length (2p counts, zeros where there are none): the
-        # gather of records can never be the mismatched message.
-        send, recv = self.splits if self.splits is not None else ([0] * p, [0] * p)
-        return [call, _code(self.collective), self.elements, _DTYPES.get(self.dtype, -1),
-                -1 if self.op is None else int(self.op), self.root, _code(self.algorithm), *send, *recv]
-
-
-def describe(row: list[int], algorithms) -> str:
-    """One rank's gathered record, readable: '131072 float32 SUM ring (call 3)'."""
-    call, collective, elements, dtype, op, root, algorithm = row[:CallRecord.HEAD]
-    dt = str(_ALL_DTYPES[dtype]).replace("torch.", "") if 0 <= dtype < len(_ALL_DTYPES) else "?"
-    how = f" {Op(op).name}" if op >= 0 else ""
-    where = f" root {root}" if root >= 0 else ""
-    name = _decode(collective, COLLECTIVES)
-    size = "" if name == "all_to_all" else f" {elements}"  # its sizes are per peer: checked as a matrix
-    return f"{name} of{size} {dt}{how}{where} by {_decode(algorithm, algorithms)} (call {call})"
-
-
-def disagreeing_splits(send: torch.Tensor, recv: torch.Tensor) -> tuple[int, int] | None:
-    """The first (sender, receiver), in row order, whose counts differ: send[j, q] elements
-    from j to q against the recv[q, j] that q expects; None when they all agree."""
-    bad = (send != recv.T).nonzero()
-    return None if bad.numel() == 0 else (int(bad[0, 0]), int(bad[0, 1]))
 
 
 class Step:
@@ -376,8 +312,8 @@ class P2P:
         if link.guard is None:
             info = self.info
             link.guard = lambda: shm.mismatch_seen(info)
-        post = shm.record_poster(self.info, self.algorithm, KIND[collective], _scalar_code(dtype),
-                                 -1 if op is None else int(op), _code(algorithm), root,
+        post = shm.record_poster(self.info, self.algorithm, KIND[collective], scalar_code(dtype),
+                                 -1 if op is None else int(op), name_code(algorithm), root,
                                  collective not in EVERY_INPUT_NEEDED)
 
         def check(elements: int) -> None:
@@ -392,7 +328,7 @@ class P2P:
                 # call: its text ends the group here too.
                 self._mismatch(str(e))
             names = algorithms()
-            detail = "; ".join(f"rank {self.info.global_rank(r)}: {_described(row, names)}"
+            detail = "; ".join(f"rank {self.info.global_rank(r)}: {described(row, names)}"
                                for r, row in enumerate(rows))
             # Built from the records alone: every rank that finds the difference words it alike.
             self._mismatch(f"{MISMATCH_MARKS[0]} (caught before any data moved between them): {detail}")

@@ -36,7 +36,7 @@ import sys
 import torch
 
 from commlab import algorithms
-from commlab.measure import envinfo, launch, trace
+from commlab.measure import envinfo, pools, trace
 from commlab.measure.launch import check_gpus_per_rank
 from commlab.training import fsdp, workloads
 from commlab.training.compare import report, search, sharded, workers
@@ -87,7 +87,7 @@ def _failed(mode: str, outcomes: dict, timeout: float) -> dict:
 
 
 def run_ddp_mode(mode: str, world: int, args: dict, rank_fn=workers.ddp_rank) -> dict:
-    outcomes = launch.run_once(world, rank_fn, mode, args, timeout=args["mode_timeout"], threads=args["threads"])
+    outcomes = pools.run_once(world, rank_fn, mode, args, timeout=args["mode_timeout"], threads=args["threads"])
     if any(o.status != "ok" for o in outcomes.values()):
         return _failed(mode, outcomes, args["mode_timeout"])
     res = [outcomes[r].result for r in range(world)]
@@ -126,7 +126,7 @@ def run_dp_mode(args: dict) -> dict:
     if args["device"] != "cuda" or not torch.cuda.is_available():
         return {"mode": "dp", "status": "unavailable",
                 "reason": "nn.DataParallel replicates a module across CUDA devices inside one process; no CUDA device here"}
-    outcomes = launch.run_once(1, workers.dp_process, args, timeout=args["mode_timeout"], threads=args["threads"])
+    outcomes = pools.run_once(1, workers.dp_process, args, timeout=args["mode_timeout"], threads=args["threads"])
     if outcomes[0].status != "ok":
         return _failed("dp", outcomes, args["mode_timeout"])
     return outcomes[0].result
@@ -469,7 +469,7 @@ def main(argv=None) -> int:
     if a.device == "cuda" and a.warmup < 1:
         ap.error("--device cuda needs --warmup 1 or more: the last warm-up step is profiled for the collectives' "
                  "device time (NCCL completes a collective's future at launch; FSDP2 runs them on its own streams)")
-    launch.preload("torch._dynamo")  # every DDP constructor imports it: once in the ranks' server, not in each rank
+    pools.preload("torch._dynamo")  # every DDP constructor imports it: once in the ranks' server, not in each rank
     try:
         caps = [float(c) for c in str(a.bucket_cap_mb).split(",") if c.strip()]
     except ValueError:

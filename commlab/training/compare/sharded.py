@@ -35,7 +35,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from commlab.measure import trace
 from commlab.training import fsdp, hooks, workloads
 from commlab.training.compare import metrics
-from commlab.training.compare.steps import emulate_memory_limit, optimizer_step, timed_default_hook, warm_up
+from commlab.training.compare.steps import (
+    emulate_memory_limit,
+    optimizer_step,
+    timed_default_hook,
+    warm_up,
+)
 from commlab.training.predict.sharded import fsdp_algorithm
 
 

@@ -3,7 +3,13 @@
 // (records.cpp) both read it. Internal to commlab._C.
 #pragma once
 
+#include <errno.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <chrono>
+#include <cstring>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -92,6 +98,20 @@ struct Layout {
 };
 static_assert(sizeof(Layout) <= kDataOffset, "control block must fit before the data");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics in shared memory");
+
+inline long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const struct timespec* ts) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
+}
+
+inline int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+inline std::string errno_text(const std::string& what) {
+  return what + ": " + std::strerror(errno);
+}
 
 }  // namespace shm_layout
 

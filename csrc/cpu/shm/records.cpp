@@ -39,8 +39,8 @@ bool ShmComm::post_record(int64_t kind, int64_t elements, int64_t dtype, int64_t
     for (int j = 0; j < world_; ++j) {
       if (j == rank_) continue;
       if (wait_all) {
-        wait_for(j, c * 4 + 1);
-      } else if (segs_[j]->ctl()->seq.seq.load(std::memory_order_seq_cst) < c * 4 + 1) {
+        wait_for(j, at(c, kWritten));
+      } else if (segs_[j]->ctl()->seq.seq.load(std::memory_order_seq_cst) < at(c, kWritten)) {
         continue;  // not in this call yet: it compares ours when it arrives
       }
       const CallInfo& theirs = segs_[j]->ctl()->info[c & 1];
@@ -64,7 +64,7 @@ bool ShmComm::post_record(int64_t kind, int64_t elements, int64_t dtype, int64_t
 // segments first waits for every peer's record.
 void ShmComm::settle() {
   for (int j = 0; j < world_; ++j) {
-    if (j != rank_) wait_for(j, record_seq_ * 4 + 1);
+    if (j != rank_) wait_for(j, at(record_seq_, kWritten));
   }
   unsynced_ = false;
 }
@@ -76,7 +76,7 @@ std::vector<int64_t> ShmComm::records() {
   rows.reserve(static_cast<size_t>(world_) * 9);
   pybind11::gil_scoped_release no_gil;
   for (int j = 0; j < world_; ++j) {
-    if (j != rank_) wait_for(j, c * 4 + 1);
+    if (j != rank_) wait_for(j, at(c, kWritten));
     const CallInfo& ci = segs_[j]->ctl()->info[c & 1];
     const int64_t row[9] = {static_cast<int64_t>(ci.piece_seq), static_cast<int64_t>(ci.call), ci.kind, ci.total,
                             ci.dtype, ci.op, ci.mode, ci.root, ci.index};

@@ -128,7 +128,14 @@ class ShmComm {
   struct Call;
   template <class Body>
   void guarded(Body&& body, bool may_wait = true);
-  void begin(uint64_t c, const Call& call, int64_t index, int64_t nbytes, uint64_t phase = 1);
+  // A rank's sequence word is piece * 4 + phase; a piece passes its phases in this order.
+  enum Phase : uint64_t {
+    kWritten = 1,  // the piece's record, and its input where it has one, are in the segment
+    kReady = 2,    // what peers read of it is ready: a reduced slice or result, the root's data
+    kRead = 3,     // a reader copied it out of the root's buffer (one-copy broadcast)
+  };
+  static constexpr uint64_t at(uint64_t piece, uint64_t phase) { return piece * 4 + phase; }
+  void begin(uint64_t c, const Call& call, int64_t index, int64_t nbytes, uint64_t phase = kWritten);
   void record_only(const Call& call);
   void await_checked(int peer, uint64_t c, uint64_t phase, bool peer_may_be_past = false);
   void check_usable() const;
