@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import commlab
-from commlab.measure import costmodel
+from commlab.measure import costmodel, probes
 from commlab.measure.units import format_bytes, parse_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -443,7 +443,7 @@ def test_the_floors_can_be_left_out_and_this_hosts_fit_leaves_them_out(tmp_path,
     assert "efficiency" not in proc.stdout and ": floor" not in proc.stdout
     import subprocess as sp
 
-    from commlab.training.compare import cli
+    from commlab.training.compare import calibrate
 
     seen = []
 
@@ -453,7 +453,7 @@ def test_the_floors_can_be_left_out_and_this_hosts_fit_leaves_them_out(tmp_path,
             json.dump({"env": {}, "results": []}, f)
 
     monkeypatch.setattr(sp, "run", fake_run)
-    cli.host_bench(4, "all_reduce", ["builtin"])
+    calibrate.host_bench(4, "all_reduce", ["builtin"])
     assert "--no-floors" in seen[0]
 
 
@@ -491,9 +491,9 @@ def test_memory_floor_takes_the_larger_bound():
 
     t = Traffic(tensor=2e6, staging=3e6)
     # tensor at 1 GB/s: 2000 us; all 5e6 B at 10 GB/s: 500 us -> 2000
-    assert costmodel.memory_floor_us(t, 1.0, 10.0) == pytest.approx(2000.0)
+    assert probes.memory_floor_us(t, 1.0, 10.0) == pytest.approx(2000.0)
     # tensor at 10 GB/s: 200 us; all at 2 GB/s: 2500 us -> 2500
-    assert costmodel.memory_floor_us(t, 10.0, 2.0) == pytest.approx(2500.0)
+    assert probes.memory_floor_us(t, 10.0, 2.0) == pytest.approx(2500.0)
 
 
 @pytest.mark.slow

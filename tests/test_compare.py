@@ -166,15 +166,15 @@ def test_more_ranks_than_gpus_is_a_clear_error_before_anything_starts():
 def test_the_sharded_modes_run_out_of_emulated_memory_too(mode):
     """--mem-limit-mb on CPU (and so --find-max-batch) binds every mode: a sharded rank
     that ignored it trained on at any batch, and the search ran to its cap."""
-    from commlab.training.compare import cli
+    from commlab.training.compare import modes
 
     args = {"device": "cpu", "share_gpu": False, "timeout": 60.0, "mem_limit_mb": 1.0, "model": "transformer",
             "width": 64, "depth": 2, "input_shape": None, "checkpoint": False, "bucket_cap_mb": 25.0, "lr": 1e-3,
             "optimizer": "adamw", "batch_size": 8, "accum_steps": 1, "amp": None, "warmup": 1, "iters": 1,
             "mode_timeout": 240.0, "threads": 1}
-    row = cli.run_mode(mode, 2, args)
+    row = modes.run_mode(mode, 2, args)
     assert row["status"] == "oom" and "--mem-limit-mb 1" in row["reason"], row
-    assert cli.run_mode(mode, 2, dict(args, mem_limit_mb=None))["status"] == "ok"
+    assert modes.run_mode(mode, 2, dict(args, mem_limit_mb=None))["status"] == "ok"
 
 
 @pytest.mark.slow
@@ -186,7 +186,7 @@ def test_sharded_modes_accumulate_autocast_and_checkpoint_as_ddp_does():
     Every mode ends with DDP's parameters, and commlab.predict with the same
     flags puts the same bytes on the wire and each rank's tensor bytes within 10 %."""
     from commlab.training import workloads
-    from commlab.training.compare import cli
+    from commlab.training.compare import modes
     from commlab.training.predict import model as M
     from commlab.training.predict import per_mode
 
@@ -200,14 +200,14 @@ def test_sharded_modes_accumulate_autocast_and_checkpoint_as_ddp_does():
                      peak_tflops={}, link={}, compute_ms=100.0, overlap=False,
                      fits={c: {"builtin": fit, "shm": fit} for c in ("all_reduce", "all_gather", "reduce_scatter",
                                                                      "broadcast")})
-    for flags, modes in (({}, ("ddp", "zero1", "fsdp:shm")),
-                         ({"amp": "fp16", "checkpoint": True}, ("ddp", "zero1", "fsdp", "fsdp:noreshard"))):
+    for flags, chosen in (({}, ("ddp", "zero1", "fsdp:shm")),
+                          ({"amp": "fp16", "checkpoint": True}, ("ddp", "zero1", "fsdp", "fsdp:noreshard"))):
         run = dict(args, **flags)
-        rows = {m: cli.run_mode(m, 2, run) for m in modes}
+        rows = {m: modes.run_mode(m, 2, run) for m in chosen}
         for m, r in rows.items():
             assert r["status"] == "ok", (flags, r)
         ref = rows["ddp"]["params"]
-        for m in modes[1:]:
+        for m in chosen[1:]:
             assert max(abs(a - b) for a, b in zip(rows[m]["params"], ref)) < 1e-4, (flags, m)
             assert rows[m]["final_loss"] == pytest.approx(rows["ddp"]["final_loss"], rel=1e-3), (flags, m)
         # Per step: ZeRO-1 reduces once (then broadcasts), as without accumulation; FSDP gathers
@@ -233,7 +233,7 @@ def test_sharded_modes_train_alike_and_hold_what_the_formulas_say():
     (DDP 4 param + 4 grad + 4 bucket + 8 Adam; ZeRO-1 the Adam state / p; FSDP all of it
     / p plus what is gathered), and so are the bytes communicated per step."""
     from commlab.training import workloads
-    from commlab.training.compare import cli
+    from commlab.training.compare import modes
 
     p = 2
     args = {"device": "cpu", "share_gpu": False, "timeout": 60.0, "mem_limit_mb": None, "model": "transformer",
@@ -241,7 +241,7 @@ def test_sharded_modes_train_alike_and_hold_what_the_formulas_say():
             "optimizer": "adamw", "batch_size": 8, "accum_steps": 1, "amp": None, "warmup": 1, "iters": 2,
             "mode_timeout": 240.0, "threads": 1, "return_params": True}
     n = sum(t.numel() for t in workloads.build("transformer", width=64, depth=2).model.parameters())
-    rows = {m: cli.run_mode(m, p, args) for m in ("ddp", "zero1", "fsdp", "fsdp:shm", "fsdp:noreshard")}
+    rows = {m: modes.run_mode(m, p, args) for m in ("ddp", "zero1", "fsdp", "fsdp:shm", "fsdp:noreshard")}
     for m, r in rows.items():
         assert r["status"] == "ok", r
     ref = rows["ddp"]["params"]
@@ -407,7 +407,7 @@ def test_this_host_pools_the_compute_only_step_run_first_and_last():
     differently from minute to minute (one run in a slow phase moved every mode's
     prediction together): compare runs it before the first mode and after the last, and
     predicts from both — iterations pooled, waits averaged over the runs' iterations."""
-    from commlab.training.compare import cli
+    from commlab.training.compare import calibrate
 
     def noop(its, skew, opt, fbe, status="ok"):
         return {"mode": "ddp:noop", "status": status, "iteration_ms": its, "arrival_skew_ms": skew,
@@ -416,7 +416,7 @@ def test_this_host_pools_the_compute_only_step_run_first_and_last():
 
     rows = [noop([100.0, 110.0, 120.0], 30.0, 10.0, 60.0), {"mode": "ddp", "status": "ok"},
             noop([200.0, 210.0, 220.0], 90.0, 20.0, 180.0), noop([1.0], 1e6, 1.0, 1.0, status="error")]
-    got = cli.compute_step(rows)
+    got = calibrate.compute_step(rows)
     assert got["iter_ms"]["median"] == pytest.approx(160.0) and got["runs"] == 2
     assert got["arrival_skew_ms"] == pytest.approx(60.0) and got["optimizer_ms"] == pytest.approx(15.0)
     assert got["unit_waits_ms"] == pytest.approx({"fbe": 120.0, "fe": 60.0})
@@ -425,9 +425,9 @@ def test_this_host_pools_the_compute_only_step_run_first_and_last():
                                                "fe": (9 ** 2 + 27 ** 2) ** 0.5 / 6})
     # Runs of unequal length weigh by their iterations; a run without a figure does not count.
     rows[2] = dict(noop([200.0], 90.0, None, 180.0))
-    got = cli.compute_step(rows)
+    got = calibrate.compute_step(rows)
     assert got["arrival_skew_ms"] == pytest.approx(45.0) and got["optimizer_ms"] == pytest.approx(10.0)
-    assert cli.compute_step([rows[1], rows[3]]) is None
+    assert calibrate.compute_step([rows[1], rows[3]]) is None
 
 
 def test_the_units_marks_are_only_where_fsdp_synchronises():
@@ -693,7 +693,7 @@ def test_this_host_pools_the_bench_and_probe_taken_first_and_last():
     and one sample reads one moment's phase of the machine (a probe at 19:59 put gloo's
     reduce-scatter at 170 ms where one an hour earlier read 125): like the compute-only
     step, each is taken first and last and averaged."""
-    from commlab.training.compare import cli
+    from commlab.training.compare import calibrate
 
     def bench(t, gamma):
         return {"collective": "all_gather", "env": {"world_size": 4, "gamma_us_per_byte": gamma},
@@ -701,7 +701,7 @@ def test_this_host_pools_the_bench_and_probe_taken_first_and_last():
 
     probe = lambda after: {"all_gather": {"shm": {"after_us": after, "exit_spread_us": after / 10,  # noqa: E731
                                                   "wait_us": 5.0, "bytes": 1 << 20, "work_ms": 50.0, "reps": 12}}}
-    benches, probes = cli.pooled_samples([{"benches": [bench(1.0, 0.3)], "in_training": probe(100.0)},
+    benches, probes = calibrate.pooled_samples([{"benches": [bench(1.0, 0.3)], "in_training": probe(100.0)},
                                           {"benches": [bench(3.0, 0.5)], "in_training": probe(300.0)}])
     assert len(benches) == 1 and benches[0]["collective"] == "all_gather"
     assert sorted((r["bytes"], r["time_us"], r["samples"]) for r in benches[0]["results"]) == [
@@ -714,7 +714,7 @@ def test_this_host_pools_the_bench_and_probe_taken_first_and_last():
     recycled = [probe(a) for a in (100.0, 300.0)]
     for r, a in zip(recycled, (60.0, 100.0)):
         r["all_gather"]["shm"]["reused"] = {"after_us": a, "exit_spread_us": a / 5, "wait_us": 1.0, "bytes": 1 << 20}
-    _, probes = cli.pooled_samples([{"benches": [], "in_training": r} for r in recycled])
+    _, probes = calibrate.pooled_samples([{"benches": [], "in_training": r} for r in recycled])
     got = probes["all_gather"]["shm"]
     assert got["after_us"] == pytest.approx(200.0)
     assert got["reused"]["after_us"] == pytest.approx(80.0) and got["reused"]["exit_spread_us"] == pytest.approx(16.0)
@@ -723,13 +723,13 @@ def test_this_host_pools_the_bench_and_probe_taken_first_and_last():
     zero1 = [{"zero1_broadcasts": {"builtin": {"after_us": 1.0, "exit_spread_us": 0.1, "wait_us": 9.0, "state": "adamw",
                                                "wait_mean_us": w, "wait_mean_se_us": se, "work_to_last_us": 10 * w}}}
              for w, se in ((100.0, 30.0), (200.0, 40.0))]
-    _, probes = cli.pooled_samples([{"benches": [], "in_training": r} for r in zero1])
+    _, probes = calibrate.pooled_samples([{"benches": [], "in_training": r} for r in zero1])
     got = probes["zero1_broadcasts"]["builtin"]
     assert (got["wait_mean_us"], got["work_to_last_us"], got["state"]) == (150.0, 1500.0, "adamw")
     assert got["wait_mean_se_us"] == pytest.approx(25.0)
     # A size one sample alone timed keeps its one time.
     other = dict(bench(5.0, None), results=[{"algorithm": "ring", "bytes": 8, "time_us": 9.0}])
-    benches, _ = cli.pooled_samples([{"benches": [bench(1.0, 0.3), other], "in_training": {}}])
+    benches, _ = calibrate.pooled_samples([{"benches": [bench(1.0, 0.3), other], "in_training": {}}])
     assert {(r["algorithm"], r["bytes"]): r["time_us"] for r in benches[0]["results"]}[("ring", 8)] == 9.0
 
 
@@ -782,7 +782,7 @@ def test_compare_samples_the_host_in_the_middle_of_a_long_comparison_too(monkeyp
 
 
 def test_this_host_pools_three_samples_by_their_median():
-    from commlab.training.compare import cli
+    from commlab.training.compare import calibrate
 
     def sample(t, after, wait):
         bench = {"collective": "all_gather", "env": {"world_size": 4, "gamma_us_per_byte": t / 10},
@@ -792,7 +792,7 @@ def test_this_host_pools_three_samples_by_their_median():
         return {"benches": [bench], "in_training": probe}
 
     slow, usual, later = sample(300.0, 205.0, 30.0), sample(100.0, 140.0, 10.0), sample(110.0, 142.0, 12.0)
-    benches, probes = cli.pooled_samples([slow, usual, later])
+    benches, probes = calibrate.pooled_samples([slow, usual, later])
     assert benches[0]["results"][0]["time_us"] == 110.0 and benches[0]["results"][0]["samples"] == 3
     assert benches[0]["env"]["gamma_us_per_byte"] == pytest.approx(11.0)
     got = probes["all_gather"]["builtin"]
@@ -858,21 +858,21 @@ def test_the_predicted_waits_plus_minus_is_run_to_run_where_the_compute_only_ste
     """--repeat runs ddp:noop in every round: where three runs or more give a wait, its
     predicted ± is the larger of the steps' (pooled) and the runs' spread (their means'
     standard error), which on shared cores is the larger (whole runs differ more)."""
-    from commlab.training.compare import cli
+    from commlab.training.compare import calibrate
 
     def noop(skew, fbe):
         return {"mode": "ddp:noop", "status": "ok", "iteration_ms": [100.0, 110.0], "arrival_skew_ms": skew,
                 "optimizer_ms": 10.0, "unit_waits_ms": {"fbe": fbe, "step_start": 5.0},
                 "wait_se_ms": {"step": 1.0, "fbe": 1.0, "step_start": 100.0}}
 
-    got = cli.compute_step([noop(30.0, 300.0), noop(90.0, 330.0), noop(60.0, 360.0)])
+    got = calibrate.compute_step([noop(30.0, 300.0), noop(90.0, 330.0), noop(60.0, 360.0)])
     assert got["arrival_skew_ms"] == pytest.approx(60.0)
     assert got["wait_se_ms"]["step"] == pytest.approx(30.0 / 3 ** 0.5)
     assert got["wait_se_ms"]["fbe"] == pytest.approx(30.0 / 3 ** 0.5)
     # The steps' pooled ± where it is the larger: sqrt(3 * (100 * 2)²) / 6.
     assert got["wait_se_ms"]["step_start"] == pytest.approx((3 * 200.0 ** 2) ** 0.5 / 6)
     # Two runs (this-host's first and last): the steps' alone, as before.
-    two = cli.compute_step([noop(30.0, 300.0), noop(90.0, 330.0)])
+    two = calibrate.compute_step([noop(30.0, 300.0), noop(90.0, 330.0)])
     assert two["wait_se_ms"]["step"] == pytest.approx((2 * 2.0 ** 2) ** 0.5 / 4)
 
 

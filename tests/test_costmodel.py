@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import commlab
-from commlab.measure import costmodel
+from commlab.measure import twolevel
 from commlab.measure.units import parse_duration_us, parse_rate_gbps
 from tests.test_cli import ROOT, _run
 
@@ -42,18 +42,18 @@ def write_runs(tmp_path, noise=0.0):
 
 
 def test_two_level_fit_recovers_each_levels_alpha_and_beta(tmp_path):
-    pts, gamma = costmodel.load_points(write_runs(tmp_path))
+    pts, gamma = twolevel.load_points(write_runs(tmp_path))
     assert gamma == GAMMA and {q.layout for q in pts} == {"1x2", "2x1", "2x2", "4x1"}
-    m = costmodel.fit_levels(pts, gamma)
+    m = twolevel.fit_levels(pts, gamma)
     assert m.beta_us_per_byte == pytest.approx(BETA, rel=1e-6) and m.alpha_us == pytest.approx(ALPHA, rel=1e-6)
-    h = costmodel.holdout(pts, gamma)
+    h = twolevel.holdout(pts, gamma)
     assert set(h["layouts"]) == {"2x1", "2x2", "4x1"}  # each layout across hosts, composed from the others
     assert all(e["max_rel_err"] < 1e-6 for errs in [h["sizes"], *h["layouts"].values()] for e in errs.values())
 
 
 def test_a_noisy_fit_still_predicts_held_out_sizes(tmp_path):
-    pts, gamma = costmodel.load_points(write_runs(tmp_path, noise=0.05))
-    h = costmodel.holdout(pts, gamma)
+    pts, gamma = twolevel.load_points(write_runs(tmp_path, noise=0.05))
+    h = twolevel.holdout(pts, gamma)
     assert all(e["median_rel_err"] < 0.1 for e in h["sizes"].values()), h["sizes"]
 
 
@@ -70,7 +70,7 @@ def test_topology_prediction_names_the_fastest_and_its_crossovers(tmp_path, link
     assert "64 hosts x 8 ranks" in proc.stdout and "fastest:" in proc.stdout
     doc = json.loads(out.read_text())
     lat = parse_duration_us(link.split(":")[1])
-    model = costmodel.TwoLevel.from_json(doc["fit"]).with_link(gbps, lat)
+    model = twolevel.TwoLevel.from_json(doc["fit"]).with_link(gbps, lat)
     assert model.beta_us_per_byte["link"] == pytest.approx(1e-3 / gbps)
     assert model.alpha_us["ring@link"] == pytest.approx(ALPHA["ring@link"] + lat)  # software per step + the wire
     for topo, (hosts, k) in (("2x8", (2, 8)), ("64x8", (64, 8)), ("512x8", (512, 8))):
@@ -96,10 +96,10 @@ def test_topology_prediction_names_the_fastest_and_its_crossovers(tmp_path, link
 def test_link_and_topology_specs():
     assert parse_rate_gbps("1gbit") == pytest.approx(0.125) and parse_rate_gbps("400gbit") == pytest.approx(50)
     assert parse_duration_us("5us") == 5 and parse_duration_us("1.5ms") == 1500
-    assert costmodel.parse_topology("64x8") == (64, 8)
+    assert twolevel.parse_topology("64x8") == (64, 8)
     for bad in ("64", "0x8", "ax8"):
         with pytest.raises(ValueError):
-            costmodel.parse_topology(bad)
+            twolevel.parse_topology(bad)
     with pytest.raises(ValueError):
         parse_rate_gbps("fast")
 
@@ -115,9 +115,9 @@ def test_the_emulated_host_measurements_predict_what_was_left_out():
     (below, 4 ranks on 2 cores measure the scheduler), the model predicts sizes it was
     not fitted on, and whole layouts composed from the others, within ±25 % (median
     per layout and algorithm)."""
-    pts, gamma = costmodel.load_points([f for f in MEASURED if not f.endswith("fit.json")])
+    pts, gamma = twolevel.load_points([f for f in MEASURED if not f.endswith("fit.json")])
     assert {q.layout for q in pts} >= {"1x2", "1x4", "2x1", "2x2", "4x1"}
-    h = costmodel.holdout([q for q in pts if q.nbytes >= 1 << 20], gamma)
+    h = twolevel.holdout([q for q in pts if q.nbytes >= 1 << 20], gamma)
     across = {k: e for k, e in h["sizes"].items() if not k.startswith("1x")}
     assert len(across) == 12 and set(h["layouts"]) == {"2x1", "2x2", "4x1"}
     for errs in (across, *h["layouts"].values()):
@@ -164,8 +164,8 @@ def test_first_touch_is_measured_per_size_as_the_allocator_recycles():
     interpreter: whether a freed 4 MiB chunk comes back or the heap's top is trimmed and
     faulted afresh depends on what the process allocated before (in this test session the 4
     MiB rate read 0.036 and 0.285 ns/B on some runs, faulting)."""
-    code = "import json; from commlab.measure import costmodel; " \
-           "print(json.dumps(costmodel.measure_first_touch([4 << 20, 64 << 20])))"
+    code = "import json; from commlab.measure import probes; " \
+           "print(json.dumps(probes.measure_first_touch([4 << 20, 64 << 20])))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     small, big = json.loads(proc.stdout)

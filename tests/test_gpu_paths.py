@@ -78,12 +78,12 @@ def test_the_gpu_check_asks_compare_only_for_modes_it_runs_on_cuda():
     import re
     import shlex
 
-    from commlab.training.compare import cli
+    from commlab.training.compare import modes
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "scripts", "gpu_check.sh")) as f:
         script = f.read().replace("\\\n", " ")
-    cuda = set(cli.all_modes("cuda"))
+    cuda = set(modes.all_modes("cuda"))
     asked = []
     for line in script.splitlines():
         if "commlab.compare" in line and "--device cuda" in line:
@@ -138,17 +138,17 @@ def test_the_sharded_modes_offered_on_a_gpu_and_where_they_are_refused():
     gpu_check runs them on one); commlab's FSDP algorithms serve CPU tensors only, and
     --share-gpu (gloo) or a run without a warm-up step (where the device is profiled)
     are refused with the reason, before any rank starts."""
-    from commlab.training.compare import cli
+    from commlab.training.compare import modes
 
-    cuda = cli.all_modes("cuda")
+    cuda = modes.all_modes("cuda")
     assert {"zero1", "fsdp", "fsdp:noreshard"} <= set(cuda)
     assert not [m for m in cuda if m.startswith("fsdp:") and m != "fsdp:noreshard"]
-    assert "fsdp:shm" in cli.all_modes("cpu")
+    assert "fsdp:shm" in modes.all_modes("cpu")
     base = {"device": "cuda", "share_gpu": False, "warmup": 3}
-    assert cli._sharded_refusal(base) is None
-    shared = cli.run_mode("fsdp", 2, dict(base, share_gpu=True))
+    assert modes.sharded_refusal(base) is None
+    shared = modes.run_mode("fsdp", 2, dict(base, share_gpu=True))
     assert shared["status"] == "unavailable" and "NCCL" in shared["reason"]
-    assert cli._sharded_refusal(dict(base, device="cpu", share_gpu=True)) is None
+    assert modes.sharded_refusal(dict(base, device="cpu", share_gpu=True)) is None
 
 
 def test_on_a_gpu_ddps_nccl_sync_is_read_from_the_device_after_a_warm_up_step(capsys):

@@ -48,24 +48,24 @@ def test_the_probe_runs_each_family_on_ranks_of_this_machine(collective):
 def test_compare_probes_the_collectives_its_fsdp_modes_call(monkeypatch):
     """--predict this-host probes each all-gather and reduce-scatter algorithm an fsdp mode
     calls (FSDP2's own is gloo's, builtin), once, and nothing for DDP or ZeRO-1."""
-    from commlab.training.compare import cli
+    from commlab.training.compare import calibrate
 
     seen = []
     monkeypatch.setattr(syncprobe, "measure_all", lambda world, calls, reps: [seen.append((world, *call[:2], *call[3:]))
                                                                               or {"x": len(seen)} for call in calls])
-    got = cli.probe_in_training(4, ["ddp", "zero1", "fsdp", "fsdp:shm", "fsdp:noreshard"])
+    got = calibrate.probe_in_training(4, ["ddp", "zero1", "fsdp", "fsdp:shm", "fsdp:noreshard"])
     # Each in both of the allocator's states: its output mapped afresh and recycled ("reused").
     assert sorted(seen) == sorted((4, c, n, s) for c in ("all_gather", "reduce_scatter") for n in ("builtin", "shm")
                                   for s in (syncprobe.FRESH, syncprobe.REUSED))
     order = {call[1:]: i + 1 for i, call in enumerate(seen)}
     assert got == {c: {n: {"x": order[(c, n, syncprobe.FRESH)], "reused": {"x": order[(c, n, syncprobe.REUSED)]}}
                        for n in ("builtin", "shm")} for c in ("all_gather", "reduce_scatter")}
-    assert cli.probe_in_training(4, ["ddp", "zero1", "ddp:shm"]) == {}
+    assert calibrate.probe_in_training(4, ["ddp", "zero1", "ddp:shm"]) == {}
     # At the size of the model's largest unit, where FSDP spends its time: a block of the
     # issue's transformer (width 1024: 12.6 M parameters, 48 MiB in fp32).
     sizes = []
     monkeypatch.setattr(syncprobe, "measure_all", lambda world, calls, reps: [sizes.append(n) or {} for _, _, n, _ in calls])
-    cli.probe_in_training(4, ["fsdp"], cli.largest_unit_bytes({"model": "transformer", "width": 1024, "depth": 8}))
+    calibrate.probe_in_training(4, ["fsdp"], calibrate.largest_unit_bytes({"model": "transformer", "width": 1024, "depth": 8}))
     assert set(sizes) == {12_596_224 * 4}
 
 
@@ -75,19 +75,19 @@ def test_compare_probes_ddps_bucket_all_reduces_in_place(monkeypatch):
     bucket of the model, and none for the compute-only step or a mode that names no
     algorithm (compare reports it unavailable); fewer calls where
     $COMMLAB_PROBE_REPS says so."""
-    from commlab.training.compare import cli
+    from commlab.training.compare import calibrate
 
     seen = []
     monkeypatch.setattr(syncprobe, "measure_all",
                         lambda world, calls, reps: [seen.append((c, name, n, reps)) or {"x": 1}
                                                     for c, name, n in calls])
     monkeypatch.setenv("COMMLAB_PROBE_REPS", "4")
-    got = cli.probe_in_training(4, ["ddp:noop", "ddp", "zero1", "ddp:shm", "ddp:nope"], 1 << 20, ddp_bytes=3 << 20)
+    got = calibrate.probe_in_training(4, ["ddp:noop", "ddp", "zero1", "ddp:shm", "ddp:nope"], 1 << 20, ddp_bytes=3 << 20)
     assert got == {"all_reduce": {"builtin": {"x": 1}, "shm": {"x": 1}}}
     assert sorted(seen) == [("all_reduce", "builtin", 3 << 20, 4), ("all_reduce", "shm", 3 << 20, 4)]
     # A full bucket: --bucket-cap-mb in MiB, or the whole model's gradients where smaller.
-    assert cli.full_bucket_bytes({"model": "transformer", "width": 1024, "depth": 8, "bucket_cap_mb": 25}) == 25 << 20
-    assert cli.full_bucket_bytes({"model": "mlp", "width": 16, "depth": 2, "bucket_cap_mb": 25}) < 1 << 20
+    assert calibrate.full_bucket_bytes({"model": "transformer", "width": 1024, "depth": 8, "bucket_cap_mb": 25}) == 25 << 20
+    assert calibrate.full_bucket_bytes({"model": "mlp", "width": 16, "depth": 2, "bucket_cap_mb": 25}) < 1 << 20
 
 
 def test_the_probe_also_calls_into_buffers_the_allocator_recycled(monkeypatch):
@@ -206,18 +206,18 @@ def test_the_zero1_probe_reads_the_wait_at_the_broadcasts():
 
 
 def test_compare_probes_zero1s_broadcasts_with_the_models_parameters(monkeypatch):
-    from commlab.training.compare import cli
+    from commlab.training.compare import calibrate
 
     seen = []
     monkeypatch.setattr(syncprobe, "measure_all", lambda world, calls, reps: [seen.append(c) or {"x": 1}
                                                                               for c in calls])
     args = {"model": "mlp", "width": 16, "depth": 2, "bucket_cap_mb": 25}
-    got = cli.probe_in_training(4, ["ddp", "zero1"], 1 << 20, cli.full_bucket_bytes(args), cli.param_bytes(args),
+    got = calibrate.probe_in_training(4, ["ddp", "zero1"], 1 << 20, calibrate.full_bucket_bytes(args), calibrate.param_bytes(args),
                                 "adamw")
-    assert (syncprobe.ZERO1, "builtin", cli.param_bytes(args), "adamw") in seen  # after the optimizer's step
+    assert (syncprobe.ZERO1, "builtin", calibrate.param_bytes(args), "adamw") in seen  # after the optimizer's step
     assert got[syncprobe.ZERO1] == {"builtin": {"x": 1}}
     seen.clear()
-    cli.probe_in_training(4, ["ddp"], 1 << 20, cli.full_bucket_bytes(args), cli.param_bytes(args))
+    calibrate.probe_in_training(4, ["ddp"], 1 << 20, calibrate.full_bucket_bytes(args), calibrate.param_bytes(args))
     assert [c for c, *_ in seen] == ["all_reduce"]  # no zero1 compared: no broadcasts probed
 
 

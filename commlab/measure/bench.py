@@ -27,7 +27,7 @@ from commlab import algorithms
 from commlab.algorithms import tuning
 from commlab.core import groups
 from commlab.core.reduction import Op, parse_op
-from commlab.measure import clocks, costmodel, envinfo, launch, pools
+from commlab.measure import clocks, costmodel, envinfo, launch, pools, probes
 from commlab.measure.rows import anchor_rows, registry_rows
 from commlab.measure.specs import SPECS, check_input, check_op
 from commlab.measure.timing import Interleaved, round_order
@@ -65,20 +65,20 @@ def run_bench(args) -> dict | None:
         to_rank0 = clocks.offset_to_rank0(dist.distributed_c10d._get_default_store(), dist.get_rank(),
                                           dist.get_world_size())
     env["cores"] = len(os.sched_getaffinity(0))
-    env["gamma_us_per_byte"] = costmodel.measure_gamma_us_per_byte(dtype, device)
+    env["gamma_us_per_byte"] = probes.measure_gamma_us_per_byte(dtype, device)
     floors = spec.floors and getattr(args, "floors", True)
     if device.type == "cpu" and floors and any(algorithms.get(r.name).memory_traffic(p, 1 << 20) is not None
                                                     for r in rows if r.name in algorithms.names()):
         # Memory-bound transports get a floor: the bandwidth every rank gets with all
         # ranks streaming at once, at each size's working set and at a cache-sized one.
-        env["group_bandwidth_gbps"] = {str(n): costmodel.measure_group_bandwidth_gbps(n)
+        env["group_bandwidth_gbps"] = {str(n): probes.measure_group_bandwidth_gbps(n)
                                        for n in sizes if n >= FLOOR_MIN_BYTES}
-        env["group_bandwidth_fast_gbps"] = costmodel.measure_group_bandwidth_gbps(costmodel.FAST_WORKING_SET)
+        env["group_bandwidth_fast_gbps"] = probes.measure_group_bandwidth_gbps(probes.FAST_WORKING_SET)
     if device.type == "cpu" and p > 1 and floors and any(n < FLOOR_MIN_BYTES for n in sizes):
         # Small calls' floor: one cache-line handoff, then the result written once.
-        env["handoffs"] = costmodel.measure_handoffs()
+        env["handoffs"] = probes.measure_handoffs()
         small = [n for n in sizes if n in SMALL_FLOOR_SIZES] or [min(sizes)]
-        env["hot_copy_us"] = {str(n): costmodel.hot_copy_us(n) for n in small}
+        env["hot_copy_us"] = {str(n): probes.hot_copy_us(n) for n in small}
     results, traced = [], []
     progress = Progress(len(sizes) * len(rows) * max(1, args.rounds),
                         enabled=(rank == 0 and sys.stderr.isatty() and not args.quiet))
@@ -256,7 +256,7 @@ FLOOR_MIN_BYTES = 1 << 20  # below this, synchronisation, not memory, bounds the
 
 
 def floor_lines(results: list[dict], env: dict) -> list[str]:
-    """Memory-bound transports against their floor (costmodel.memory_floor_us), with
+    """Memory-bound transports against their floor (probes.memory_floor_us), with
     rates measured in this run with every rank streaming at once."""
     rates = env.get("group_bandwidth_gbps")
     if not rates:
@@ -269,7 +269,7 @@ def floor_lines(results: list[dict], env: dict) -> list[str]:
         traffic = algorithms.get(r["algorithm"]).memory_traffic(p, r["bytes"])
         if traffic is None:
             continue
-        floor = costmodel.memory_floor_us(traffic, rate, fast)
+        floor = probes.memory_floor_us(traffic, rate, fast)
         total = (traffic.tensor + traffic.staging) / r["bytes"]
         out.append(f"#   {r['algorithm']:>11} {format_bytes(r['bytes']):>5}: floor {floor:10.1f} us (tensor "
                    f"{traffic.tensor / r['bytes']:.2f}n at {rate:.1f} GB/s, or all {total:.2f}n at {fast:.1f} GB/s) "
