@@ -744,9 +744,15 @@ def _record_runs_and_samples(monkeypatch, cli) -> list:
                 "exposed": 0.0, "after_arrival": 0.0}, "samples_per_s": 1.0, "peak_memory_mb": [1.0] * 2,
                 "util_percent": [1.0] * 2, "final_loss": 0.0}
 
+    from commlab.training.compare import calibrate
+
+    def sample(world, modes, args):
+        events.append("sample")
+        return {"benches": [], "in_training": {}}
+
     monkeypatch.setattr(cli, "run_mode", run_mode)
-    monkeypatch.setattr(cli, "host_sample", lambda world, modes, args: events.append("sample")
-                        or {"benches": [], "in_training": {}})
+    monkeypatch.setattr(cli, "host_sample", sample)  # the samples between runs
+    monkeypatch.setattr(calibrate, "host_sample", sample)  # the last, taken by the prediction
     return events
 
 

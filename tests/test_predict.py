@@ -324,7 +324,7 @@ def test_this_host_fits_every_collective_the_sharded_modes_use():
     fsdp mode's algorithm) and predicts from those fits; with ranks outnumbering cores
     every FSDP collective is exposed, its time the fitted formulas' sum."""
     from commlab import algorithms
-    from commlab.training.compare.cli import host_collectives
+    from commlab.training.compare.calibrate import host_collectives
 
     assert host_collectives(["ddp", "ddp:ring", "zero1", "fsdp", "fsdp:shm", "fsdp:noreshard"]) == {
         "all_reduce": ["builtin", "ring"], "broadcast": ["builtin"],

@@ -159,7 +159,7 @@ class Algorithm(Member):
         """Whether this algorithm's transport itself makes ranks that call differently
         fail alike before any wrong byte lands (shared memory and CUDA IPC compare call
         records). When it does not — point-to-point steps, the backend's own collective —
-        the API has every rank agree on the call first (P2P.agree). Collective: every
+        the API checks every call first (P2P.checker). Collective: every
         rank asks at the same point of its first call of a plan."""
         return False
 

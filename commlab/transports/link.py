@@ -65,8 +65,8 @@ class Link:
     def __init__(self):
         self.backend = None
         self.error: str | None = None
-        self.calls = 0  # calls agreed on the group (P2P.agree)
-        self.route = None  # how call records are gathered (P2P.agree)
+        self.calls = 0  # calls agreed on the group across hosts (P2P.agree)
+        self.route = None  # how call records are checked (P2P.checker)
         self.guard = None  # () -> a peer's mismatch text or None, asked during a wait that lasts (P2P._post)
         self.dependents: list = []  # GroupInfos of sub-groups made for the same calls (P2P.derive)
         self.waiting = 0

@@ -27,7 +27,7 @@ class AllGatherAlgorithm(Member):
 
     def checks_calls(self, ctx: Context) -> bool:
         """Whether the transport itself compares the ranks' call records (shared
-        memory); otherwise the API agrees on every call first (P2P.agree)."""
+        memory); otherwise the API checks every call first (P2P.agree)."""
         return False
 
     def run(self, out: torch.Tensor, inp: torch.Tensor, ctx: Context) -> None:
