@@ -400,6 +400,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # a fresh interpreter: the quick tier keeps the pool whose rank cannot start
 def test_a_pool_left_open_at_exit_leaves_nothing_behind(tmp_path):
     """A script (or a test) that returns without closing its pool: multiprocessing's exit
     handler terminated the ranks before their lifeline could remove the pool's working
