@@ -22,13 +22,9 @@ at once; a member that never comes is one after COMMLAB_SETUP_TIMEOUT.
 
 
 import atexit
-import hashlib
-import json
-import os
 import queue
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -36,8 +32,8 @@ import torch.distributed as dist
 
 from commlab import algorithms
 from commlab.api import all_reduce as api
-from commlab.core.errors import CollectiveMismatchError, CommlabError, UnsupportedError
-from commlab.transports import p2p
+from commlab.core.errors import CommlabError, UnsupportedError
+from commlab.training.membership import bind_lock, live_states, members_group_for
 
 _COMPRESS = (None, torch.float16, torch.bfloat16)
 
@@ -123,123 +119,10 @@ class BucketStats:
         }
 
 
-_bind_lock = threading.Lock()
-_bound: dict[tuple, int] = {}  # states this process bound, per rank set: the meeting's key
-# States with a running thread: closed at exit, while the interpreter still runs (a
-# script that ends without close() otherwise had its thread and group torn down during
-# interpreter shutdown, which aborted it 1 time in 6: "terminate called without an
-# active exception").
-_live: "weakref.WeakSet[CommState]" = weakref.WeakSet()
-_SALT = 1 << 40  # above any count of groups a process makes: members-only names never meet torch's
-
-
 @atexit.register
 def _close_live_states() -> None:
-    for state in list(_live):
+    for state in list(live_states):
         state.close()
-
-
-def _new_group(ranks: list[int] | None, algorithm: str):
-    """The state's own group, among its members alone: they meet in the store under the
-    rank set and this state's place among that set's states, then make the group, then
-    every member waits until all have it (torch's new_group has no barrier after
-    creation by default: a member could use and destroy the group while a peer is
-    still connecting). A rank outside the group makes nothing and waits for nobody."""
-    me = dist.get_rank()
-    if ranks is None or me not in ranks:
-        return ranks, dist.GroupMember.NON_GROUP_MEMBER
-    k = _bound[tuple(ranks)] = _bound.get(tuple(ranks), 0) + 1
-    meeting = _Meeting(ranks, k)
-    meeting.wait("arrived", algorithm, f"the members of CommState #{k} for ranks {ranks} to create it")
-    pg = _members_group(ranks, _SALT + k)
-    meeting.wait("ready", "1", f"CommState #{k} for ranks {ranks} to have its group")
-    return ranks, pg
-
-
-def _members_group(ranks: list[int], salt: int):
-    """dist.new_group(ranks) made by the members alone. torch names such a group after its
-    ranks and the count of groups this process made so far, which only members advance:
-    made under a salt every member knows instead, with the count left as it was, so the
-    members name it alike and every rank of the job still names later groups alike."""
-    world = dist.distributed_c10d._world
-    count = world.group_count
-    world.group_count = salt
-    try:
-        return dist.new_group(ranks, use_local_synchronization=True)
-    finally:
-        world.group_count = count
-
-
-def setup_timeout() -> float:
-    """Seconds a member waits for its peers to create the same CommState (COMMLAB_SETUP_TIMEOUT)."""
-    return float(os.environ.get("COMMLAB_SETUP_TIMEOUT", "") or 300.0)
-
-
-class _Meeting:
-    """Where the members of one state meet in the job's store. While it waits, a member
-    says where it waits (its own key), so a member that finds the peer it waits for
-    waiting in another state that needs this member — which this member has not
-    reached — knows neither can go on: both raise the same error at once, and the
-    meeting's error key tells the other members of both states."""
-
-    def __init__(self, ranks: list[int], k: int):
-        self.ranks, self.k = ranks, k
-        digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
-        self.key = f"commlab/commstate/{digest}/{k}"
-        self.store = dist.distributed_c10d._get_default_store()
-        self.me = dist.get_rank()
-
-    def wait(self, step: str, value: str, what: str) -> None:
-        store, me = self.store, self.me
-        store.set(f"{self.key}/{step}/{me}", value)
-        keys = [f"{self.key}/{step}/{r}" for r in self.ranks]
-        where = f"commlab/commstate/waiting/{me}"
-        store.set(where, json.dumps([self.key, self.ranks, step]))
-        try:
-            deadline = time.monotonic() + setup_timeout()
-            pause = 1e-3
-            while not store.check(keys):
-                if store.check([f"{self.key}/error"]):
-                    raise CollectiveMismatchError(store.get(f"{self.key}/error").decode())
-                missing = [r for r, key in zip(self.ranks, keys) if not store.check([key])]
-                self._crossed(missing, step)
-                if time.monotonic() > deadline:
-                    self._fail(f"commlab.hooks: rank {me} waited {setup_timeout():g} s (COMMLAB_SETUP_TIMEOUT) for "
-                               f"{what}; rank(s) {missing} never got there. The members of a state's group create "
-                               "it, in the same order among the states of the same ranks")
-                time.sleep(pause)
-                pause = min(pause * 2, 0.05)
-        finally:
-            store.set(where, "")
-
-    def _crossed(self, missing: list[int], step: str) -> None:
-        """A missing member waiting in another state whose members include this rank,
-        at a step this rank has not reached: a cycle of waits."""
-        for q in missing:
-            raw = self.store.get(f"commlab/commstate/waiting/{q}") if self.store.check(
-                [f"commlab/commstate/waiting/{q}"]) else b""
-            if not raw:
-                continue
-            key, ranks, their_step = json.loads(raw)
-            if key == self.key or self.me not in ranks or self.store.check([f"{key}/{their_step}/{self.me}"]):
-                continue
-            # Both ranks of the crossing word it alike: the lower rank's wait first.
-            waits = sorted([(self.me, q, self.ranks), (q, self.me, ranks)])
-            text = ("commlab.hooks: CommStates created in different orders: " +
-                    "; ".join(f"rank {a} waits for rank {b} in a CommState for ranks {rs}" for a, b, rs in waits) +
-                    ". The members of a state's group create it, in the same order among the states of the same "
-                    "ranks")
-            self.store.set(f"{key}/error", text)
-            self._fail(text)
-
-    def _fail(self, text: str) -> None:
-        error = CollectiveMismatchError(text)
-        self.store.set(f"{self.key}/error", text)  # this state's other members raise it too
-        # The peers are likely waiting on this rank in a state made earlier: they raise it too.
-        for state in list(_live):
-            if state.process_group is not None:
-                p2p.abandon(state.process_group, text)
-        raise error
 
 
 class CommState:
@@ -274,20 +157,20 @@ class CommState:
         order of their states of the same ranks; a no-op once bound)."""
         if self.bound:
             return
-        with _bind_lock:
+        with bind_lock:
             if self.bound:
                 return
             if not (dist.is_available() and dist.is_initialized()):
                 raise CommlabError("commlab.hooks: a CommState binds on first use, and torch.distributed is not "
                                    "initialized yet: call dist.init_process_group first")
-            ranks, pg = _new_group(self._parent_ranks(), self.algorithm)
+            ranks, pg = members_group_for(self._parent_ranks(), self.algorithm)
             self.ranks, self.world_size = ranks, (len(ranks) if ranks is not None else None)
             self.member = pg != dist.GroupMember.NON_GROUP_MEMBER
             self.process_group = pg if self.member else None
             if self.member:
                 self._thread = threading.Thread(target=self._loop, name=f"commlab-hook-{self.algorithm}", daemon=True)
                 self._thread.start()
-                _live.add(self)
+                live_states.add(self)
             self.bound = True
 
     def _parent_ranks(self) -> list[int] | None:
@@ -402,7 +285,7 @@ class CommState:
 
     def close(self) -> None:
         """Stop the communication thread and free the state's own process group."""
-        _live.discard(self)
+        live_states.discard(self)
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(5)
