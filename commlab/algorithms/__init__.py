@@ -13,10 +13,7 @@ from .base import Algorithm, Context, Cost, Traffic
 from .registry import Registry
 
 REGISTRY = Registry("all_reduce", Algorithm)
-register = REGISTRY.register
-names = REGISTRY.names
-get = REGISTRY.get
-for_device = REGISTRY.for_device
+register, names, get, for_device = REGISTRY.api()
 
 REGISTRY.discover(__name__, __path__)
 

@@ -132,6 +132,21 @@ class Member:
         return f"<commlab {self.collective} algorithm {self.name!r}: {self.summary}>"
 
 
+class FamilyMember(Member):
+    """What every family but all-reduce adds to Member (all-reduce's API asks the same
+    with the buffer: Algorithm.checks_calls)."""
+
+    def prepare(self, first: torch.Tensor, ctx: Context) -> None:
+        """Collective, on every rank's first call of a plan, before checks_calls: what an
+        algorithm decides with its peers (auto's pick). `first`: the call's input."""
+
+    def checks_calls(self, ctx: Context) -> bool:
+        """Whether the transport itself compares the ranks' call records (shared memory,
+        all-to-all's counts included); otherwise the API checks every call first
+        (P2P.agree: all-to-all's algorithm then gets every rank's counts)."""
+        return False
+
+
 class Algorithm(Member):
     """An all-reduce algorithm."""
 

@@ -92,7 +92,7 @@ class Hierarchical(Algorithm):
     @staticmethod
     def _layout(ctx):
         if ctx.transport is None:  # collective, on the first call of each plan (every rank's first alike)
-            ctx.transport = _layouts.get(ctx.info.group)
+            ctx.transport = host_layouts.get(ctx.info.group)
         return ctx.transport
 
     def run(self, buf, op, ctx):
@@ -207,6 +207,6 @@ def _release_layout(layout: Layout) -> None:
                 pass
 
 
-_layouts = groups.PerGroup(_make_layout, _release_layout)
+host_layouts = groups.PerGroup(_make_layout, _release_layout)
 
 ALGORITHM = Hierarchical()

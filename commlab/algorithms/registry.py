@@ -16,6 +16,10 @@ class Registry:
         self._label = label  # how errors name the family ("all_gather "); all-reduce's say "algorithm"
         self._algorithms: dict = {}
 
+    def api(self) -> tuple:
+        """What a family's package offers: (register, names, get, for_device)."""
+        return self.register, self.names, self.get, self.for_device
+
     def discover(self, package: str, path) -> None:
         """Register the ALGORITHM of every module of `package` (sub-packages are other families)."""
         for mod in pkgutil.iter_modules(path):

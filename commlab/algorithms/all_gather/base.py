@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from ..base import Context, Member, as_bytes
+from ..base import Context, FamilyMember, as_bytes
 
 
-class AllGatherAlgorithm(Member):
+class AllGatherAlgorithm(FamilyMember):
     collective = "all_gather"
 
     @staticmethod
@@ -21,14 +21,6 @@ class AllGatherAlgorithm(Member):
         """Why this algorithm cannot serve the call, from facts every rank shares."""
         return None
 
-    def prepare(self, out: torch.Tensor, ctx: Context) -> None:
-        """Collective, on every rank's first call of a plan, before checks_calls: what an
-        algorithm decides with its peers (auto's pick)."""
-
-    def checks_calls(self, ctx: Context) -> bool:
-        """Whether the transport itself compares the ranks' call records (shared
-        memory); otherwise the API checks every call first (P2P.agree)."""
-        return False
 
     def run(self, out: torch.Tensor, inp: torch.Tensor, ctx: Context) -> None:
         """out (p·n elements, contiguous) = every rank's inp (n > 0 elements, contiguous;

@@ -10,21 +10,14 @@ import torch
 from commlab.transports import shm
 
 from ..base import Stage
-from ..hier import _layouts
+from ..family_shm import HierarchicalMember
+from ..hier import host_layouts
 from .base import AllGatherAlgorithm, as_bytes
 
 
-class Hierarchical(AllGatherAlgorithm):
-    name = "hier"
+class Hierarchical(HierarchicalMember, AllGatherAlgorithm):
     summary = "two levels: shm gather on each host, leaders exchange host chunks, shm broadcast on each host"
     formula = "intra: shm gather + broadcast (memory ~2n);  inter: (H-1) messages per leader, (H-1)/H·n each way"
-    wins_when = "several ranks per host and a slow host link: each host's data crosses each link once"
-    devices = ("cpu",)
-    order = 65
-    level = "shm"
-
-    def cost(self, p, nbytes):
-        return _shm().cost(p, nbytes)  # one host: it is shm
 
     def stages(self, hosts, per_host, nbytes):
         if hosts == 1:
@@ -37,7 +30,7 @@ class Hierarchical(AllGatherAlgorithm):
 
     def run(self, out, inp, ctx):
         info = ctx.info
-        layout = _layouts.get(info.group)
+        layout = host_layouts.get(info.group)
         if layout.hosts == 1:
             shm.all_gather(out, inp, info, self.name)
             return
@@ -64,11 +57,6 @@ class Hierarchical(AllGatherAlgorithm):
         if layout.intra is not None:
             shm.broadcast(whole.view(-1), 0, layout.intra, self.name)
 
-
-def _shm():
-    from commlab.algorithms import all_gather
-
-    return all_gather.get("shm")
 
 
 ALGORITHM = Hierarchical()

@@ -5,17 +5,14 @@ fail alike before any wrong byte lands."""
 from commlab.transports import shm
 
 from ..base import Cost, Traffic
+from ..family_shm import SharedMemoryMember
 from .base import AllGatherAlgorithm
 
 
-class SharedMemory(AllGatherAlgorithm):
-    name = "shm"
+class SharedMemory(SharedMemoryMember, AllGatherAlgorithm):
     summary = "shared memory on one host: one copy in, p copies out, one synchronisation per piece"
+    fast_method = "try_allgather"
     formula = "α + n/p·β(copy in) + n·β(copy out); β is memory traffic"
-    wins_when = "ranks on one host: no sockets, no kernel copies"
-    devices = ("cpu",)
-    order = 60
-    level = "shm"
 
     def cost(self, p, nbytes):
         return Cost(1, nbytes / p + nbytes, 0.0)
@@ -24,15 +21,6 @@ class SharedMemory(AllGatherAlgorithm):
         # The input is read once, the output written once; the segments take the
         # copy-in write and the peers' reads.
         return Traffic(tensor=nbytes / p + nbytes, staging=nbytes / p + nbytes)
-
-    def unsupported(self, out, info):
-        return shm.unsupported(info)
-
-    def checks_calls(self, ctx):
-        return True
-
-    def fast_call(self, like, op, ctx):
-        return shm.fast_call(ctx.info, self.name, "try_allgather", like)
 
     def run(self, out, inp, ctx):
         shm.all_gather(out, inp, ctx.info, self.name)  # typed: the record names the dtype

@@ -6,11 +6,7 @@ from ..registry import Registry
 from .base import AllToAllAlgorithm
 
 REGISTRY = Registry("all_to_all", AllToAllAlgorithm, "all_to_all ")
-register = REGISTRY.register
-names = REGISTRY.names
-get = REGISTRY.get
-for_device = REGISTRY.for_device
-
+register, names, get, for_device = REGISTRY.api()
 REGISTRY.discover(__name__, __path__)
 
 __all__ = ["AllToAllAlgorithm", "REGISTRY", "register", "names", "get", "for_device"]

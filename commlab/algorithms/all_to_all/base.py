@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..base import Context, Member, as_bytes  # noqa: F401 - as_bytes: the family's modules import it from here
+from ..base import Context, FamilyMember, as_bytes  # noqa: F401 - as_bytes: the family's modules import it from here
 
 
 class Counts:
@@ -37,7 +37,7 @@ def split(t: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
     return list(t.split(counts))
 
 
-class AllToAllAlgorithm(Member):
+class AllToAllAlgorithm(FamilyMember):
     collective = "all_to_all"
 
     @staticmethod
@@ -49,15 +49,6 @@ class AllToAllAlgorithm(Member):
         """Why this algorithm cannot serve the call, from facts every rank shares."""
         return None
 
-    def prepare(self, inp: torch.Tensor, ctx: Context) -> None:
-        """Collective, on every rank's first call of a plan, before checks_calls: what an
-        algorithm decides with its peers (auto's pick)."""
-
-    def checks_calls(self, ctx: Context) -> bool:
-        """Whether the transport itself compares the ranks' calls, counts included
-        (shared memory); otherwise the API agrees on every call first (P2P.agree) and
-        hands the algorithm every rank's counts."""
-        return False
 
     def run(self, out: torch.Tensor, inp: torch.Tensor, counts: Counts, ctx: Context) -> None:
         """out (sum(counts.recv) elements, contiguous) = the blocks every rank sends this

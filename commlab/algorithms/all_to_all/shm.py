@@ -6,32 +6,20 @@ every rank."""
 from commlab.transports import shm
 
 from ..base import Cost, Traffic
+from ..family_shm import SharedMemoryMember
 from .base import AllToAllAlgorithm
 
 
-class SharedMemory(AllToAllAlgorithm):
-    name = "shm"
+class SharedMemory(SharedMemoryMember, AllToAllAlgorithm):
     summary = "shared memory on one host: one copy in, one copy out, one synchronisation per piece"
+    fast_method = "try_alltoall"
     formula = "α + nβ(copy in) + nβ(copy out); β is memory traffic"
-    wins_when = "ranks on one host: no sockets, no kernel copies"
-    devices = ("cpu",)
-    order = 60
-    level = "shm"
 
     def cost(self, p, nbytes):
         return Cost(1, 2 * nbytes, 0.0)
 
     def memory_traffic(self, p, nbytes):
         return Traffic(tensor=2 * nbytes, staging=2 * nbytes)
-
-    def unsupported(self, inp, info):
-        return shm.unsupported(info)
-
-    def checks_calls(self, ctx):
-        return True
-
-    def fast_call(self, like, op, ctx):
-        return shm.fast_call(ctx.info, self.name, "try_alltoall", like)
 
     def run(self, out, inp, counts, ctx):
         shm.all_to_all(out, inp, counts.send, counts.recv, ctx.info, self.name)  # typed: the record names the dtype

@@ -6,11 +6,7 @@ from ..registry import Registry
 from .base import BroadcastAlgorithm
 
 REGISTRY = Registry("broadcast", BroadcastAlgorithm, "broadcast ")
-register = REGISTRY.register
-names = REGISTRY.names
-get = REGISTRY.get
-for_device = REGISTRY.for_device
-
+register, names, get, for_device = REGISTRY.api()
 REGISTRY.discover(__name__, __path__)
 
 __all__ = ["BroadcastAlgorithm", "REGISTRY", "register", "names", "get", "for_device"]

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from ..base import Context, Member, as_bytes  # noqa: F401 - as_bytes: the family's modules import it from here
+from ..base import Context, FamilyMember, as_bytes  # noqa: F401 - as_bytes: the family's modules import it from here
 
 
-class BroadcastAlgorithm(Member):
+class BroadcastAlgorithm(FamilyMember):
     collective = "broadcast"
 
     @staticmethod
@@ -21,14 +21,6 @@ class BroadcastAlgorithm(Member):
         """Why this algorithm cannot serve the call, from facts every rank shares."""
         return None
 
-    def prepare(self, buf: torch.Tensor, ctx: Context) -> None:
-        """Collective, on every rank's first call of a plan, before checks_calls: what an
-        algorithm decides with its peers (auto's pick)."""
-
-    def checks_calls(self, ctx: Context) -> bool:
-        """Whether the transport itself compares the ranks' call records (shared
-        memory); otherwise the API agrees on every call first (P2P.agree)."""
-        return False
 
     def run(self, buf: torch.Tensor, root: int, ctx: Context) -> None:
         """buf (n > 0 elements, contiguous) = the root's buf on every rank; ctx.size > 1."""

@@ -5,32 +5,20 @@ differently fail alike before any wrong byte lands."""
 from commlab.transports import shm
 
 from ..base import Cost, Traffic
+from ..family_shm import SharedMemoryMember
 from .base import BroadcastAlgorithm
 
 
-class SharedMemory(BroadcastAlgorithm):
-    name = "shm"
+class SharedMemory(SharedMemoryMember, BroadcastAlgorithm):
     summary = "shared memory on one host: the root copies in once, every rank copies out"
+    fast_method = "try_broadcast"
     formula = "α + 2nβ (copy in, copy out); β is memory traffic"
-    wins_when = "ranks on one host: no sockets, no kernel copies"
-    devices = ("cpu",)
-    order = 60
-    level = "shm"
 
     def cost(self, p, nbytes):
         return Cost(1, 2 * nbytes, 0.0)
 
     def memory_traffic(self, p, nbytes):
         return Traffic(tensor=nbytes, staging=nbytes)
-
-    def unsupported(self, buf, info):
-        return shm.unsupported(info)
-
-    def checks_calls(self, ctx):
-        return True
-
-    def fast_call(self, like, op, ctx):
-        return shm.fast_call(ctx.info, self.name, "try_broadcast", like)
 
     def run(self, buf, root, ctx):
         shm.broadcast(buf, root, ctx.info, self.name)

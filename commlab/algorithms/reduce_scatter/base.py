@@ -9,10 +9,10 @@ import torch
 
 from commlab.core.reduction import Op
 
-from ..base import Context, Member
+from ..base import Context, FamilyMember
 
 
-class ReduceScatterAlgorithm(Member):
+class ReduceScatterAlgorithm(FamilyMember):
     collective = "reduce_scatter"
 
     @staticmethod
@@ -24,14 +24,6 @@ class ReduceScatterAlgorithm(Member):
         """Why this algorithm cannot serve the call, from facts every rank shares."""
         return None
 
-    def prepare(self, inp: torch.Tensor, ctx: Context) -> None:
-        """Collective, on every rank's first call of a plan, before checks_calls: what an
-        algorithm decides with its peers (auto's pick)."""
-
-    def checks_calls(self, ctx: Context) -> bool:
-        """Whether the transport itself compares the ranks' call records (shared
-        memory); otherwise the API checks every call first (P2P.agree)."""
-        return False
 
     def run(self, out: torch.Tensor, inp: torch.Tensor, op: Op, ctx: Context) -> None:
         """out (n > 0 elements, contiguous) = op over ranks of their inp block ctx.rank

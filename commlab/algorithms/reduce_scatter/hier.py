@@ -12,21 +12,14 @@ from commlab.core.reduction import SUPPORTED_DTYPES, reduce_into
 from commlab.transports import shm
 
 from ..base import Stage
-from ..hier import _layouts
+from ..family_shm import HierarchicalMember
+from ..hier import host_layouts
 from .base import ReduceScatterAlgorithm
 
 
-class Hierarchical(ReduceScatterAlgorithm):
-    name = "hier"
+class Hierarchical(HierarchicalMember, ReduceScatterAlgorithm):
     summary = "two levels: shm all-reduce on each host, leaders swap host-reduced blocks, shm broadcast on each host"
     formula = "intra: shm all-reduce + broadcast (memory ~4n);  inter: (H-1) messages per leader, (H-1)/H·n each way"
-    wins_when = "several ranks per host and a slow host link: each host's data crosses each link once"
-    devices = ("cpu",)
-    order = 65
-    level = "shm"
-
-    def cost(self, p, nbytes):
-        return _shm().cost(p, nbytes)  # one host: it is shm
 
     def stages(self, hosts, per_host, nbytes):
         if hosts == 1:
@@ -42,11 +35,11 @@ class Hierarchical(ReduceScatterAlgorithm):
     def checks_calls(self, ctx):
         # One host is shm's; across hosts the link stage is point-to-point, and a size
         # that differs between hosts would only show there, after shm moved bytes.
-        return _layouts.get(ctx.info.group).hosts == 1  # collective on the group's first ask: every rank alike
+        return host_layouts.get(ctx.info.group).hosts == 1  # collective on the group's first ask: every rank alike
 
     def run(self, out, inp, op, ctx):
         info = ctx.info
-        layout = _layouts.get(info.group)
+        layout = host_layouts.get(info.group)
         if layout.hosts == 1:
             shm.reduce_scatter(out, inp, ctx.recorded(op), info, self.name)
             return
@@ -85,11 +78,6 @@ class Hierarchical(ReduceScatterAlgorithm):
             shm.broadcast(chunk.view(-1), 0, intra, self.name)
         out.copy_(chunk[layout.local])
 
-
-def _shm():
-    from commlab.algorithms import reduce_scatter
-
-    return reduce_scatter.get("shm")
 
 
 ALGORITHM = Hierarchical()

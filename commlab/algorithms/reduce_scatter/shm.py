@@ -6,17 +6,14 @@ from commlab.core.reduction import SUPPORTED_DTYPES
 from commlab.transports import shm
 
 from ..base import Cost, Traffic
+from ..family_shm import SharedMemoryMember
 from .base import ReduceScatterAlgorithm
 
 
-class SharedMemory(ReduceScatterAlgorithm):
-    name = "shm"
+class SharedMemory(SharedMemoryMember, ReduceScatterAlgorithm):
     summary = "shared memory on one host: one copy in, each rank reduces its block from every segment"
+    fast_method = "try_reduce_scatter"
     formula = "α + nβ(copy in) + nβ(p reads of n/p) + (p-1)/p·nγ; β is memory traffic"
-    wins_when = "ranks on one host: no sockets, no kernel copies"
-    devices = ("cpu",)
-    order = 60
-    level = "shm"
 
     def cost(self, p, nbytes):
         return Cost(1, 2 * nbytes, (p - 1) / p * nbytes)
@@ -28,12 +25,6 @@ class SharedMemory(ReduceScatterAlgorithm):
         if inp.dtype not in SUPPORTED_DTYPES:
             return f"dtype {inp.dtype} is not reduced in shared memory"
         return shm.unsupported(info)
-
-    def checks_calls(self, ctx):
-        return True
-
-    def fast_call(self, like, op, ctx):
-        return shm.fast_call(ctx.info, self.name, "try_reduce_scatter", like, int(op))
 
     def run(self, out, inp, op, ctx):
         shm.reduce_scatter(out, inp, ctx.recorded(op), ctx.info, self.name)

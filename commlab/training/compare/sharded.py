@@ -37,8 +37,9 @@ from commlab.training import fsdp, hooks, workloads
 from commlab.training.compare import metrics
 from commlab.training.compare.steps import (
     emulate_memory_limit,
-    optimizer_step,
     timed_default_hook,
+    timed_micro_batch,
+    timed_optimizer_step,
     warm_up,
 )
 from commlab.training.predict.sharded import fsdp_algorithm
@@ -250,20 +251,13 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         for k in range(accum):
             x, y = wl.make_batch(micro, seed=(i * accum + k) * 1000 + rank, device=device)
             with reducing(k == accum - 1):
-                t0 = time.perf_counter()
-                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    loss = wl.loss(net(x).float(), y) / accum
-                t1 = time.perf_counter()
-                (scaler.scale(loss) if scaler else loss).backward()
-                spans.extend((("forward", t0, t1), ("backward", t1, time.perf_counter())))
+                def loss_of():
+                    with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                        return wl.loss(net(x).float(), y) / accum
+
+                loss = timed_micro_batch(loss_of, scaler, spans)
             total += float(loss.detach())
-        if cuda:
-            torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        optimizer_step(opt, scaler)
-        if cuda:
-            torch.cuda.synchronize()
-        spans.append(("optimizer", t2, time.perf_counter()))
+        timed_optimizer_step(opt, scaler, cuda, spans)
         return total
 
     device_sync = warm_up(step, args["warmup"], cuda)

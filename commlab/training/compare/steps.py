@@ -36,6 +36,30 @@ def optimizer_step(opt, scaler) -> None:
         opt.step()
 
 
+def timed_micro_batch(loss_of, scaler, spans: list) -> torch.Tensor:
+    """One micro-batch's forward (loss_of() gives its loss) and backward, each appended
+    to `spans` as (phase, start, end); returns the loss."""
+    t0 = time.perf_counter()
+    loss = loss_of()
+    t1 = time.perf_counter()
+    (scaler.scale(loss) if scaler else loss).backward()
+    spans.extend((("forward", t0, t1), ("backward", t1, time.perf_counter())))
+    return loss
+
+
+def timed_optimizer_step(opt, scaler, cuda: bool, spans: list) -> float:
+    """optimizer_step after the device finished backward, timed to the device's end too;
+    appended to `spans`, and returned in seconds."""
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    optimizer_step(opt, scaler)
+    if cuda:
+        torch.cuda.synchronize()
+    spans.append(("optimizer", t0, time.perf_counter()))
+    return spans[-1][2] - t0
+
+
 def emulate_memory_limit(peak_rss: int, rss_before_model: int, limit_mb: float | None) -> None:
     """CPU has no allocator limit: emulate --mem-limit-mb on what training added to the
     process, agreed across ranks so they all stop together (every CPU mode alike)."""

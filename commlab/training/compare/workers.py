@@ -21,6 +21,8 @@ from commlab.training.compare.steps import (
     emulate_memory_limit,
     optimizer_step,
     timed_default_hook,
+    timed_micro_batch,
+    timed_optimizer_step,
     warm_up,
 )
 
@@ -243,20 +245,10 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
             if mode == "ddp:noop":
                 micro_step(arrivals, last=k == accum - 1)
             with ctx:
-                t0 = time.perf_counter()
-                loss = forward_loss(x, y) / accum
-                t1 = time.perf_counter()
-                (scaler.scale(loss) if scaler else loss).backward()
-                spans.extend((("forward", t0, t1), ("backward", t1, time.perf_counter())))
+                loss = timed_micro_batch(lambda: forward_loss(x, y) / accum, scaler, spans)
             total += float(loss.detach())
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        optimizer_step(opt, scaler)
-        if cuda:
-            torch.cuda.synchronize()
-        opt_times.append(time.perf_counter() - t0)  # this-host prediction's optimizer share (ddp:noop)
-        spans.append(("optimizer", t0, time.perf_counter()))
+        # The optimizer's share, for this host's prediction (ddp:noop).
+        opt_times.append(timed_optimizer_step(opt, scaler, cuda, spans))
         return total
 
     device_timed = timed_on_device(mode, device.type, backend)
