@@ -518,7 +518,7 @@ def test_small_message_floor_is_measured_and_below_every_row(tmp_path):
 
 
 def test_small_message_floor_arithmetic():
-    from commlab.measure.bench import small_floor_lines
+    from commlab.measure.table import small_floor_lines
 
     env = {"handoffs": {"handoff_us": 0.5, "switch_us": 2.0, "ranks_per_core": 3}, "hot_copy_us": {"4096": 0.25}}
     rows = [{"algorithm": "a", "bytes": 4096, "time_us": 9.0}, {"algorithm": "b", "bytes": 4096, "time_us": 4.5}]

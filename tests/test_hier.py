@@ -34,7 +34,7 @@ def hier_layout(rank, p, hosts, full):
                     dist.all_gather(bits, x)
                     out[f"{n} {dtype} {op.name}"] = (check(x, want, tol) is None,
                                                      all(torch.equal(b, x) for b in bits))
-        layout = hier._layouts.get(group)
+        layout = hier.host_layouts.get(group)
         out["layout"] = (layout.hosts, layout.per_host, layout.shards)
         dist.destroy_process_group(group)
         return out
@@ -131,7 +131,7 @@ def auto_picks(rank, p, hosts):
         group = dist.new_group()
         x = torch.full((100,), float(rank))
         commlab.all_reduce(x, group=group, algorithm="auto")
-        used_hier = id(group) in hier._layouts._items
+        used_hier = id(group) in hier.host_layouts._items
         dist.destroy_process_group(group)
         return used_hier, torch.equal(x, torch.full((100,), float(sum(range(p)))))
     finally:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import commlab
 from commlab.algorithms import tuning
 from commlab.core.errors import UnsupportedError
-from commlab.measure.bench import describe_tuning
+from commlab.measure.table import describe_tuning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
