@@ -148,3 +148,52 @@ def test_a_rank_in_another_transport_is_a_mismatch_on_every_rank(warm):
     # A first call differs already in the group's set-up (shared memory's on one rank,
     # the check's route on the others); a later one in the records.
     assert ("by a point-to-point algorithm" if warm else "shm setup") in msgs.pop()
+
+
+def three_way(rank, p, algorithm):
+    """Rank 0's call is twice the others' on one group: its peers meet the difference in
+    different pairs (rank 1 with rank 0, rank 2 with rank 0)."""
+    group = dist.new_group()
+    commlab.all_reduce(torch.ones(16), group=group, algorithm=algorithm)
+    x = torch.ones(2048 if rank == 0 else 1024)
+    try:
+        commlab.all_reduce(x, group=group, algorithm=algorithm)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return {"type": type(e).__name__, "msg": str(e)}
+    return {"type": None}
+
+
+@pytest.mark.parametrize("algorithm", ["shm", pytest.param("ring", marks=pytest.mark.slow)])
+def test_ranks_that_meet_a_difference_in_different_pairs_raise_one_text(algorithm):
+    """The first text published in the group's store is every rank's (shared memory's
+    check compares pairs; before, rank 2 could raise its pair's text, ranks 0 and 1
+    theirs)."""
+    for _ in range(2):  # the pairs race: more than one try
+        res = RankPool(3, pg_timeout_s=30).outcomes(three_way, algorithm, timeout=60)
+        got = [res[r].result for r in range(3)]
+        assert all(g and g["type"] == "CollectiveMismatchError" for g in got), [res[r].error[-800:] for r in range(3)]
+        assert len({g["msg"] for g in got}) == 1, [g["msg"] for g in got]
+
+
+def cuda_waits(rank, p):
+    """What the check of a call on a GPU, whose group moves GPU memory itself, asks of
+    shared memory (record_poster's wait_all), against a CPU call's."""
+    from commlab.core import groups
+    from commlab.core.reduction import Op
+    from commlab.transports import p2p, shm
+
+    seen = []
+    real = shm.record_poster
+    shm.record_poster = lambda *a: seen.append(a[-1]) or real(*a)
+    p2p.moves_cuda = lambda group: True  # NCCL's transfers, which no closed connection takes back
+    link = p2p.P2P(groups.resolve(dist.new_group()), "ring")
+    for cuda in (False, True):
+        link.checker("all_reduce", torch.float32, Op.SUM, "ring", lambda: ("ring",), cuda=cuda)
+    return seen
+
+
+def test_a_call_whose_transfers_nccl_posts_waits_for_every_record():
+    """A rank that went on to NCCL's transfers before a later rank found a difference
+    could not be stopped by closing gloo's connection: such calls wait for every record."""
+    res = RankPool(2, pg_timeout_s=30).outcomes(cuda_waits, timeout=60)
+    assert [res[r].result for r in range(2)] == [[False, True]] * 2, [res[r].error[-1500:] for r in range(2)]

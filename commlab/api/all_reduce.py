@@ -101,7 +101,7 @@ class _Plan:
         if self.agree:  # an empty call too: its peers may not be empty
             if self.checked is None:  # bound once: the check runs on every call of the plan
                 self.checked = self.ctx.p2p.checker("all_reduce", tensor.dtype, self.reduce_op, self.alg.name,
-                                                    algorithms.names)
+                                                    algorithms.names, cuda=tensor.is_cuda)
             self.checked(tensor.numel())
         if tensor.numel() == 0:
             if not self.agree:  # the transport checks it like any call

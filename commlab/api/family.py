@@ -57,7 +57,8 @@ class Plan:
 
     def record(self, out: torch.Tensor, inp: torch.Tensor, root: int, extra) -> CallRecord:
         """What every rank's call must share, agreed before any byte moves."""
-        return CallRecord(self.collective, self.record_numel(out, inp), inp.dtype, self.reduce_op, self.alg.name, root)
+        return CallRecord(self.collective, self.record_numel(out, inp), inp.dtype, self.reduce_op, self.alg.name, root,
+                          cuda=inp.is_cuda)
 
     def body(self, out: torch.Tensor, inp: torch.Tensor, root: int, extra) -> None:
         """The call itself (root: a group rank, or -1 where the collective has none; extra:

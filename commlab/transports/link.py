@@ -50,6 +50,12 @@ def peer_timeout() -> float:
     return float(os.environ.get("COMMLAB_PEER_TIMEOUT", "") or 5.0)
 
 
+def first_text(group: dist.ProcessGroup, text: str) -> str:
+    """The group's reason for giving up, first writer wins: `text` unless some rank
+    published one first (ranks that found a difference in different pairs raise one text)."""
+    return _bounded(lambda: store_of(group).compare_set(ABORT_KEY, "", text).decode(), 1.0) or text
+
+
 def store_of(group: dist.ProcessGroup):
     """The group's own store (torch's prefix for it), where its abort mark lives."""
     entry = dist.distributed_c10d._world.pg_map.get(group)
@@ -67,7 +73,7 @@ class Link:
         self.error: str | None = None
         self.calls = 0  # calls agreed on the group across hosts (P2P.agree)
         self.route = None  # how call records are checked (P2P.checker)
-        self.guard = None  # () -> a peer's mismatch text or None, asked during a wait that lasts (P2P._post)
+        self.guard = None  # () -> a peer's mismatch text or None: asked by tick and connect (P2P.checker sets it)
         self.dependents: list = []  # GroupInfos of sub-groups made for the same calls (P2P.derive)
         self.waiting = 0
         self.inflight = None  # the send or receive work the main path waits on (trip aborts it)
@@ -234,7 +240,7 @@ class Link:
                 return
             if self.store.check([ABORT_KEY]):
                 self.trip(self.store.get(ABORT_KEY).decode())
-            elif self.guard is not None and now - self.since >= _GUARD and (text := self.guard()) is not None:
+            elif self.guard is not None and now - self.since >= _GUARD and (text := self._guarded()) is not None:
                 self.give_up(text)
             elif now - self.since >= _LOOK and now >= self._next_look:
                 self._next_look = now + _LOOK
@@ -243,6 +249,12 @@ class Link:
             if self.waiting and self.error is None:
                 self.trip(f"commlab[{self.label}] rank {self.me}: the job's store stopped answering (the process serving it, "
                           f"rank 0 or torchrun's agent, is gone?): {e}"[:600])
+
+    def _guarded(self) -> str | None:
+        try:
+            return self.guard()
+        except Exception:  # noqa: BLE001 - the group is going away: its own waits say so
+            return None
 
     def _look_at_peers(self, now: float) -> None:
         limit = peer_timeout()

@@ -28,7 +28,7 @@ from commlab.core.errors import (
 )
 from commlab.core.groups import GroupInfo
 from commlab.core.reduction import Op
-from commlab.transports.link import Link
+from commlab.transports.link import Link, first_text
 from commlab.transports.records import (
     CallRecord,
     describe,
@@ -215,8 +215,8 @@ class P2P:
         from it (hier's, whose stages other ranks may be in)."""
         from commlab.transports import shm
 
-        if shm.state_of(self.info).comm is not None:
-            shm.abort(self.info, self.algorithm, text)
+        if shm.state_of(self.info).comm is not None:  # a mismatch stays one for its ranks too
+            shm.abort(self.info, self.algorithm, text, mismatch=text.startswith(MISMATCH_MARKS))
         for sub in self.link.dependents:
             try:
                 p2p = P2P(sub, self.algorithm)
@@ -255,7 +255,7 @@ class P2P:
                 link.route = self._records_route()
             if link.route is P2P._records_through_shm and record.splits is None:
                 return self.checker(record.collective, record.dtype, record.op, record.algorithm, algorithms,
-                                    record.root)(record.elements)
+                                    record.root, record.cuda)(record.elements)
             rows = link.route(self, torch.tensor(record.row(link.calls, p), dtype=torch.int64))
         except CollectiveMismatchError:
             raise
@@ -286,7 +286,8 @@ class P2P:
                 f"{self.info.global_rank(q)}, which expects {int(recv[q, j])} from it")
         return send
 
-    def checker(self, collective: str, dtype: torch.dtype, op: Op | None, algorithm: str, algorithms, root: int = -1):
+    def checker(self, collective: str, dtype: torch.dtype, op: Op | None, algorithm: str, algorithms, root: int = -1,
+                cuda: bool = False):
         """The check of every call of one kind (its size aside), bound once (collective:
         every rank's first call of the kind asks here): check(elements) raises the same
         CollectiveMismatchError on every rank where ranks called differently.
@@ -298,7 +299,9 @@ class P2P:
         so where every rank's result needs every rank's input no rank can finish, and the
         rank that finds the difference ends the group for all. Where a rank's result does
         not need every peer (a broadcast, a call of no elements) it waits for every
-        record, as the agreement does. Across hosts, the agreement (agree)."""
+        record, as the agreement does, and so does a call whose steps go through the
+        group's own CUDA backend (`cuda`: NCCL's posted transfers cannot be taken back the
+        way a closed gloo connection takes them). Across hosts, the agreement (agree)."""
         from commlab.transports import shm
 
         link = self.link
@@ -308,13 +311,14 @@ class P2P:
         if link.route is None:
             link.route = self._records_route()
         if link.route is not P2P._records_through_shm:
-            return lambda elements: self.agree(CallRecord(collective, elements, dtype, op, algorithm, root), algorithms)
+            return lambda elements: self.agree(CallRecord(collective, elements, dtype, op, algorithm, root, cuda=cuda),
+                                               algorithms)
         if link.guard is None:
             info = self.info
             link.guard = lambda: shm.mismatch_seen(info)
         post = shm.record_poster(self.info, self.algorithm, KIND[collective], scalar_code(dtype),
                                  -1 if op is None else int(op), name_code(algorithm), root,
-                                 collective not in EVERY_INPUT_NEEDED)
+                                 collective not in EVERY_INPUT_NEEDED or (cuda and moves_cuda(self.info.group)))
 
         def check(elements: int) -> None:
             if link.error is not None:
@@ -343,7 +347,8 @@ class P2P:
 
         link = self.link
         if link.error is None:
-            text = link.give_up(text)
+            text = first_text(self.info.group, text)  # ranks that found it at once raise the first one's
+            link.give_up(text)
             if link.backend is None:  # peers may wait in the connection's set-up
                 setup.mark_abort(self.info.group, text)
         else:

@@ -52,9 +52,10 @@ class CallRecord:
     HEAD = 7  # the columns every rank's record must share; all_to_all's counts follow
 
     def __init__(self, collective: str, elements: int, dtype: torch.dtype, op: Op | None, algorithm: str,
-                 root: int = -1, splits: tuple[list[int], list[int]] | None = None):
+                 root: int = -1, splits: tuple[list[int], list[int]] | None = None, cuda: bool = False):
         self.collective, self.elements, self.dtype, self.op = collective, elements, dtype, op
         self.algorithm, self.root = algorithm, root
+        self.cuda = cuda  # its tensors are on a GPU (how it is checked, not part of the record)
         self.splits = splits  # all_to_all: (elements sent to, received from) each group rank
 
     def row(self, call: int, p: int) -> list[int]:

@@ -185,8 +185,9 @@ def _abort_key(group) -> str:
 
 
 def mark_abort(group, text: str) -> None:
-    """Peers waiting in one of the group's set-up steps raise `text` (interruptibly reads it)."""
-    dist.distributed_c10d._get_default_store().set(_abort_key(group), text)
+    """Peers waiting in one of the group's set-up steps raise `text` (interruptibly reads
+    it); the first rank's text stays, so every waiting peer reads the same."""
+    dist.distributed_c10d._get_default_store().compare_set(_abort_key(group), "", text)
 
 
 def agree(info: GroupInfo, what: str, step, transport: str = "shm") -> None:

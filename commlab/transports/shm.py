@@ -25,7 +25,7 @@ from commlab.core.errors import (
     UnsupportedError,
 )
 from commlab.core.groups import GroupInfo
-from commlab.transports.link import peer_timeout
+from commlab.transports.link import first_text, peer_timeout
 from commlab.transports.setup import Entry, agree, differing, gather, host_id, translate
 
 # The defaults below were chosen by measurement: docs/measurements.md#shared-memory-defaults
@@ -219,13 +219,13 @@ def record_poster(info: GroupInfo, algorithm: str, kind: int, dtype: int, op: in
             return _call(info, algorithm, lambda c: c.post_record(kind, elements, dtype, op, code, root,
                                                                   wait_all or not elements), entry)
         try:
-            if entry.comm is not comm:  # replaced while this thread looked
-                raise _call_failed(entry, comm, CommlabError("the group's shared memory was given up"), algorithm)
+            if entry.comm is not comm:  # given up while this thread looked: its failure, as every call raises it
+                entry.raise_failure()
             return comm.post_record(kind, elements, dtype, op, code, root, wait_all or not elements)
         except CommlabError:
             raise
         except BaseException as e:
-            raise _call_failed(entry, comm, e, algorithm) from None
+            raise _call_failed(entry, comm, e, algorithm, info) from None
         finally:
             lock.release()
 
@@ -283,7 +283,7 @@ def _call(info: GroupInfo, algorithm: str, run, entry: Entry | None = None):
         try:
             return run(comm)
         except BaseException as e:
-            raise _call_failed(entry, comm, e, algorithm) from None
+            raise _call_failed(entry, comm, e, algorithm, info) from None
 
 
 def fast_call(info: GroupInfo, algorithm: str, method: str, like: torch.Tensor, *bound):
@@ -303,18 +303,22 @@ def fast_call(info: GroupInfo, algorithm: str, method: str, like: torch.Tensor, 
             comm = entry.comm
             return comm is not None and getattr(comm, method)(*args, *tail)
         except BaseException as e:
-            raise _call_failed(entry, comm, e, algorithm) from None
+            raise _call_failed(entry, comm, e, algorithm, info) from None
         finally:
             lock.release()
 
     return call
 
 
-def _call_failed(entry: Entry, comm, error: BaseException, algorithm: str) -> BaseException:
+def _call_failed(entry: Entry, comm, error: BaseException, algorithm: str, info: GroupInfo) -> BaseException:
     """A failed call leaves peers at unknown phases: the communicator is done (its peers
     read our abort mark from their own mappings of our segment). Returns what to raise."""
     entry.comm = None
-    raised = entry.call_failed("shared memory", algorithm, translate(error, algorithm, comm.failed_peer), error)
+    mapped = translate(error, algorithm, comm.failed_peer)
+    if isinstance(mapped, CollectiveMismatchError):
+        # Ranks that met the difference in different pairs (or a point-to-point record) raise one text.
+        mapped = CollectiveMismatchError(first_text(info.group, str(mapped)))
+    raised = entry.call_failed("shared memory", algorithm, mapped, error)
     comm.close()
     return raised
 

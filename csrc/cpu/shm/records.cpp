@@ -46,9 +46,8 @@ bool ShmComm::post_record(int64_t kind, int64_t elements, int64_t dtype, int64_t
       const CallInfo& theirs = segs_[j]->ctl()->info[c & 1];
       if (theirs.index != kRecordIndex) check_info(j, c, true);  // a shared-memory call: that protocol's mismatch
       if (same_record(mine, theirs)) continue;
-      // A peer two pieces on (a call of no elements, then the next call's record and its
-      // first shared-memory piece) wrote this slot again: it left this call, which it could
-      // only do having compared our record (its own waited for every record) or with our data.
+      // Defensive: a peer that wrote this slot again left this call, which it can only do
+      // having compared our record or with our data (whatever it runs next waits for us).
       std::atomic_thread_fence(std::memory_order_acquire);
       if (__atomic_load_n(&theirs.piece_seq, __ATOMIC_RELAXED) > c) continue;
       differs = true;
@@ -86,16 +85,18 @@ std::vector<int64_t> ShmComm::records() {
 }
 
 std::tuple<int64_t, int64_t, std::string> ShmComm::peer_abort() const {
+  std::tuple<int64_t, int64_t, std::string> found{0, -1, std::string()};
   for (int j = 0; j < world_; ++j) {
     if (j == rank_ || segs_[j] == nullptr) continue;
     const AbortLine& a = segs_[j]->ctl()->abort;
     const uint64_t w = a.word.load(std::memory_order_acquire);
-    if (w != 0) {
-      return {static_cast<uint32_t>(w >> 32) == kMismatch ? 2 : 1, global_ranks_[j],
-              std::string(a.reason, strnlen(a.reason, kReasonBytes))};
+    if (w == 0) continue;
+    const int64_t state = static_cast<uint32_t>(w >> 32) == kMismatch ? 2 : 1;
+    if (state > std::get<0>(found)) {  // a mismatch first: another rank's give-up must not hide it
+      found = {state, global_ranks_[j], std::string(a.reason, strnlen(a.reason, kReasonBytes))};
     }
   }
-  return {0, -1, std::string()};
+  return found;
 }
 
 }  // namespace commlab
