@@ -53,7 +53,11 @@ def peer_timeout() -> float:
 def first_text(group: dist.ProcessGroup, text: str) -> str:
     """The group's reason for giving up, first writer wins: `text` unless some rank
     published one first (ranks that found a difference in different pairs raise one text)."""
-    return _bounded(lambda: store_of(group).compare_set(ABORT_KEY, "", text).decode(), 1.0) or text
+    return _first(store_of(group), text)
+
+
+def _first(store, text: str) -> str:
+    return _bounded(lambda: store.compare_set(ABORT_KEY, "", text).decode(), 1.0) or text
 
 
 def store_of(group: dist.ProcessGroup):
@@ -180,7 +184,7 @@ class Link:
         if self.error is not None:
             return self.error
         if self.store is not None:
-            text = _bounded(lambda: self.store.compare_set(ABORT_KEY, "", text).decode(), 1.0) or text
+            text = _first(self.store, text)
         self.trip(text)
         return text
 

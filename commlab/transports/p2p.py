@@ -347,8 +347,9 @@ class P2P:
 
         link = self.link
         if link.error is None:
-            text = first_text(self.info.group, text)  # ranks that found it at once raise the first one's
-            link.give_up(text)
+            # Ranks that found it at once raise the first one's: give_up asks the group's store
+            # once connected, before that first_text does.
+            text = link.give_up(text if link.store is not None else first_text(self.info.group, text))
             if link.backend is None:  # peers may wait in the connection's set-up
                 setup.mark_abort(self.info.group, text)
         else:
