@@ -10,62 +10,77 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commlab.measure import launch, pools
+from commlab import algorithms
+from commlab.core.reduction import Op
+from commlab.measure import launch, pools, specs
 
-STOP = -1
-ALLREDUCE, DDP_STEP, ALLGATHER, REDUCESCATTER, BROADCAST, ALLTOALL = 0, 1, 2, 3, 4, 5
+STOP, COLLECTIVE, DDP_STEP = -1, 0, 1
 # How a DDP step communicates: DDP's own allreduce, commlab's overlapped hook, the same
 # reduction blocking inside the hook, or no communication at all.
 HOOKS = ["ddp", "async", "blocking", "noop"]
 MODEL = {"width": 1024, "depth": 3, "in_features": 256}
 BATCH = 32
+DTYPE = torch.float32
 
 
 def _plan(values=None) -> list[int]:
-    t = torch.tensor(values if values is not None else [0, 0, 0, 0], dtype=torch.int64)
+    t = torch.tensor(values if values is not None else [0] * 5, dtype=torch.int64)
     dist.broadcast(t, src=0)
     return t.tolist()
 
 
+class Calls:
+    """One collective's benchmark on one rank, read from its spec (commlab/measure/specs.py):
+    the timed calls move zeros; one more call on the check's inputs is compared, on every
+    rank, with what the spec says it must hold."""
+
+    def __init__(self, collective: str, algorithm: str, nbytes: int, rank: int, p: int):
+        self.spec, self.algorithm, self.rank, self.p = specs.SPECS[collective], algorithm, rank, p
+        self.count = self.spec.count(nbytes, DTYPE.itemsize, p)
+        self.inp = torch.zeros(self.count, dtype=DTYPE)
+        self.out = torch.zeros(self.spec.output(self.count, p), dtype=DTYPE) if self.spec.output else None
+
+    def __call__(self) -> None:
+        self.spec.run(self.algorithm, self.out, self.inp, Op.SUM)
+
+    @property
+    def bytes(self) -> int:
+        """nccl-tests' size of the call (the all-reduced buffer, the gathered output, ...)."""
+        return self.spec.size(self.count, DTYPE.itemsize, self.p)
+
+    def wrong(self) -> int:
+        """The checked call: elements differing from the spec's result, summed over every
+        rank (a rank out of step would pair this call with a timed one and differ)."""
+        self.inp = specs.check_input(self.rank, self.count, DTYPE, Op.SUM, "cpu")
+        if self.out is not None:
+            self.out.zero_()
+        self()
+        got = self.inp if self.out is None else self.out
+        want = self.spec.want(self.rank, self.p, self.count, DTYPE, Op.SUM, "cpu")
+        wrong = torch.tensor([int((got != want).sum())])
+        dist.all_reduce(wrong)
+        return int(wrong.item())
+
+
+def _collective(plan: list[int]) -> tuple[str, str]:
+    collective = algorithms.COLLECTIVES[plan[0]]
+    return collective, algorithms.registry(collective).for_device("cpu")[plan[1]]
+
+
 def _helper(rank: int, world_size: int) -> None:
     """Ranks 1..N-1: follow rank 0's plans until it says stop."""
-    import commlab
-
-    names = commlab.algorithms.for_device("cpu")
-    gathers = commlab.algorithms.registry("all_gather").for_device("cpu")
-    scatters = commlab.algorithms.registry("reduce_scatter").for_device("cpu")
-    casts = commlab.algorithms.registry("broadcast").for_device("cpu")
-    swaps = commlab.algorithms.registry("all_to_all").for_device("cpu")
+    names = algorithms.for_device("cpu")
     while True:
-        kind, a, b, calls = _plan()
+        kind, *plan = _plan()
         if kind == STOP:
             break
-        if kind == ALLGATHER:
-            inp, out = gather_buffers(rank, b, world_size)
-            for _ in range(calls):
-                commlab.all_gather(out, inp, algorithm=gathers[a])
-            commlab.all_gather(out, inp, algorithm=gathers[a])  # BenchGroup.check_gather's call
-        elif kind == REDUCESCATTER:
-            inp, out = scatter_buffers(rank, b, world_size)
-            for _ in range(calls + 1):  # the last one: the test's checked call
-                commlab.reduce_scatter(out, inp, algorithm=scatters[a])
-        elif kind == BROADCAST:
-            buf = torch.full((max(b // 4, 1),), float(rank + 1))
-            for _ in range(calls + 1):  # the last one: the test's checked call
-                commlab.broadcast(buf, src=0, algorithm=casts[a])
-            wrong_elements(buf)
-        elif kind == ALLTOALL:
-            inp, out = swap_buffers(rank, b, world_size)
-            for _ in range(calls + 1):  # the last one: the test's checked call
-                commlab.all_to_all(out, inp, algorithm=swaps[a])
-            wrong_swapped(out, world_size)
-        elif kind == ALLREDUCE:
-            buf = torch.zeros(max(b // 4, 1), dtype=torch.float32)
-            for _ in range(calls):
-                commlab.all_reduce(buf, algorithm=names[a])
-            commlab.all_reduce(checked_input(rank, b), algorithm=names[a])  # BenchGroup.check's call
+        if kind == COLLECTIVE:
+            calls = Calls(*_collective(plan), plan[2], rank, world_size)
+            for _ in range(plan[3]):
+                calls()
+            calls.wrong()
         else:
-            _ddp_steps(rank, HOOKS[a], names[b], calls)
+            _ddp_steps(rank, HOOKS[plan[0]], names[plan[1]], plan[3])
 
 
 def _ddp_steps(rank: int, hook: str, algorithm: str, calls: int) -> None:
@@ -105,111 +120,30 @@ def ddp_step(rank: int, hook: str, algorithm: str):
     return step, close
 
 
-def gather_buffers(rank: int, nbytes: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input, output) of an all-gather whose output is nbytes (nccl-tests' size); rank r's
-    input holds r + 1."""
-    n = max(nbytes // 4 // world_size, 1)
-    return torch.full((n,), float(rank + 1)), torch.zeros(world_size * n)
-
-
-def scatter_buffers(rank: int, nbytes: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input, output) of a reduce-scatter whose input is nbytes (nccl-tests' size); rank
-    r's input holds r + 1, so every output holds the sum of 1..p."""
-    n = max(nbytes // 4 // world_size, 1)
-    return torch.full((world_size * n,), float(rank + 1)), torch.zeros(n)
-
-
-def swap_buffers(rank: int, nbytes: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input, output) of an all-to-all whose input is nbytes (nccl-tests' size); every
-    block rank r sends holds r + 1, so every rank's output holds 1..p block by block."""
-    n = max(nbytes // 4 // world_size, 1)
-    return torch.full((world_size * n,), float(rank + 1)), torch.zeros(world_size * n)
-
-
-def wrong_swapped(out: torch.Tensor, world_size: int) -> int:
-    """Elements of an all-to-all's output differing from 1..p block by block, summed over every rank."""
-    want = torch.arange(1, world_size + 1, dtype=out.dtype).repeat_interleave(out.numel() // world_size)
-    wrong = torch.tensor([int((out != want).sum())])
-    dist.all_reduce(wrong)
-    return int(wrong.item())
-
-
-def wrong_elements(buf: torch.Tensor) -> int:
-    """Elements differing from rank 0's message (1.0), summed over every rank."""
-    wrong = torch.tensor([int((buf != 1.0).sum())])
-    dist.all_reduce(wrong)
-    return int(wrong.item())
-
-
-def checked_input(rank: int, nbytes: int) -> torch.Tensor:
-    return torch.full((max(nbytes // 4, 1),), float(rank + 1), dtype=torch.float32)
-
-
 class BenchGroup:
     def __init__(self, world_size: int):
-        import commlab
-
         self.world_size = world_size
-        self.names = commlab.algorithms.for_device("cpu")
+        self.names = algorithms.for_device("cpu")
         # commlab's one local launcher: helpers are ranks 1..N-1, this process is rank 0.
         self.pool = pools.RankPool(world_size, spawn=range(1, world_size), pg_timeout_s=120.0)
         self.pool.local_init(0)
         torch.set_num_threads(1)
         self.pool.submit(_helper)
 
-    def prepare(self, algorithm: str, nbytes: int, calls: int) -> torch.Tensor:
-        """Tell the helpers what comes next; returns rank 0's buffer."""
-        _plan([ALLREDUCE, self.names.index(algorithm), nbytes, calls])
-        return torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
-
-    def check(self, algorithm: str, nbytes: int) -> torch.Tensor:
-        """One more call after the timed ones, on inputs whose sum is known (rank r
-        contributes r + 1): rank 0's result, to compare with checked_sum()."""
-        x = checked_input(0, nbytes)
-        import commlab
-
-        commlab.all_reduce(x, algorithm=algorithm)
-        return x
-
-    def prepare_gather(self, algorithm: str, nbytes: int, calls: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tell the helpers an all-gather comes next; returns rank 0's (input, output)."""
-        import commlab
-
-        _plan([ALLGATHER, commlab.algorithms.registry("all_gather").for_device("cpu").index(algorithm), nbytes, calls])
-        return gather_buffers(0, nbytes, self.world_size)
-
-    def prepare_scatter(self, algorithm: str, nbytes: int, calls: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tell the helpers a reduce-scatter comes next; returns rank 0's (input, output)."""
-        import commlab
-
-        _plan([REDUCESCATTER, commlab.algorithms.registry("reduce_scatter").for_device("cpu").index(algorithm),
-               nbytes, calls])
-        return scatter_buffers(0, nbytes, self.world_size)
-
-    def prepare_broadcast(self, algorithm: str, nbytes: int, calls: int) -> torch.Tensor:
-        """Tell the helpers a broadcast from rank 0 comes next; returns rank 0's message."""
-        import commlab
-
-        _plan([BROADCAST, commlab.algorithms.registry("broadcast").for_device("cpu").index(algorithm), nbytes, calls])
-        return torch.full((max(nbytes // 4, 1),), 1.0)
-
-    def prepare_all_to_all(self, algorithm: str, nbytes: int, calls: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tell the helpers an all-to-all comes next; returns rank 0's (input, output)."""
-        import commlab
-
-        _plan([ALLTOALL, commlab.algorithms.registry("all_to_all").for_device("cpu").index(algorithm), nbytes, calls])
-        return swap_buffers(0, nbytes, self.world_size)
-
-    def checked_sum(self) -> float:
-        return float(sum(range(1, self.world_size + 1)))
+    def prepare(self, collective: str, algorithm: str, nbytes: int, calls: int) -> Calls:
+        """Tell the helpers which `calls` come next (and the checked one after them);
+        returns rank 0's."""
+        _plan([COLLECTIVE, algorithms.COLLECTIVES.index(collective),
+               algorithms.registry(collective).for_device("cpu").index(algorithm), nbytes, calls])
+        return Calls(collective, algorithm, nbytes, 0, self.world_size)
 
     def prepare_ddp(self, hook: str, algorithm: str, calls: int):
         """(step, close) for rank 0; the helpers run the same `calls` steps."""
-        _plan([DDP_STEP, HOOKS.index(hook), self.names.index(algorithm), calls])
+        _plan([DDP_STEP, HOOKS.index(hook), self.names.index(algorithm), 0, calls])
         return ddp_step(0, hook, algorithm)
 
     def close(self) -> None:
-        _plan([STOP, 0, 0, 0])
+        _plan([STOP, 0, 0, 0, 0])
         self.pool.collect("bench helpers", timeout=60)  # every rank is idle from here
         self.pool.close()
         launch.leave(together=False)
