@@ -1,5 +1,6 @@
-"""Soak: 10,000 mixed-size calls per algorithm on 4 ranks, every result checked
-exactly, with no growth in file descriptors, mappings or resident memory."""
+"""Soak: thousands of mixed-size calls per algorithm on 4 ranks (10,000 through shared
+memory, 4,000 through the point-to-point transport), every result checked exactly, with
+no growth in file descriptors, mappings or resident memory."""
 import os
 
 import psutil
@@ -67,10 +68,11 @@ def soak(rank, p, algorithm, calls):
             "new_maps": sorted(set(m) - set(first_maps))[:8]}
 
 
-# The p2p algorithms share one transport (transports/p2p.py), soaked at full length by
-# ring: the others run 4,000 calls (CI's time budget; growth still counts over 3,000),
-# and so does builtin, whose calls are gloo's behind the API every algorithm shares.
-SHORT = {"rhd", "rd", "direct", "ps", "ps_sharded", "builtin"}
+# The p2p algorithms (one transport, transports/p2p.py) run 4,000 calls, growth counted over
+# the last 3,000: a leak of a mapping every 1,500 calls still shows (leaked()), and 2 MiB of
+# RSS is 700 bytes a call; COMMLAB_SOAK_CALLS=10000 soaks them as long as shared memory.
+# So does builtin, whose calls are gloo's behind the API every algorithm shares.
+SHORT = {"ring", "rhd", "rd", "direct", "ps", "ps_sharded", "builtin"}
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +91,12 @@ def soak_ranks():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", commlab.algorithms.for_device("cpu"))
-def test_ten_thousand_calls_without_growth(soak_ranks, algorithm):
+def test_thousands_of_calls_without_growth(soak_ranks, algorithm):
     calls = min(CALLS, 4000) if algorithm in SHORT else CALLS
     for res in soak_ranks.run(soak, algorithm, calls, timeout=600):
         assert res["wrong"] == 0, res
         assert res["fds"] == 0 and not leaked(res["maps"]), res
-        assert res["rss_growth"] < 2 << 20, res  # over 7,500 calls: > 280 bytes a call
+        assert res["rss_growth"] < 2 << 20, res  # over 3,000 calls (7,500 through shared memory): > 700 bytes a call
 
 
 def test_a_one_off_step_is_not_a_leak_and_steady_growth_is():

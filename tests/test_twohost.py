@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from ranks import clean_launch_env
 
 import commlab
 
@@ -156,22 +157,24 @@ def test_a_rank_killed_on_one_host_fails_every_rank_on_both(two_hosts, tmp_path,
 
 
 def test_emulated_hosts_script_runs_the_bench_over_shaped_links():
-    """scripts/emulated_hosts.py (2 hosts x 2 ranks, tbf-shaped links): runs, every row
+    """docs/hosts.md's example, verbatim (scripts/emulated_hosts.py, 2 hosts x 2 ranks,
+    tbf-shaped links; the documentation's examples leave it to this test): runs, every row
     right, namespaces removed."""
     if os.environ.get("COMMLAB_TWOHOST") == "0":
         pytest.skip("COMMLAB_TWOHOST=0")
     if os.geteuid() != 0 or _ip("netns", "list", check=False).returncode != 0:
         pytest.skip("network namespaces need root")
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import doc_blocks
+
+    [block] = doc_blocks.run_by("tests/test_twohost.py")
     before = _ip("netns", "list").stdout
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "emulated_hosts.py"), "--hosts", "2",
-                           "--ranks", "2", "--rate", "10gbit", "--port", "29613", "--", "--algorithms", "builtin,hier",
-                           "-b", "256K", "-e", "256K", "--anchors", "none", "-n", "2", "-w", "1", "--rounds", "1",
-                           "--no-floors"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=clean_launch_env(PYTHONUNBUFFERED="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     rows = [line.split() for line in proc.stdout.splitlines() if " float32 " in line]
     assert {r[4] for r in rows} == {"builtin", "hier"} and all(r[9] == "0" for r in rows), proc.stdout[-3000:]
-    assert "# emulated: 2 hosts x 2 ranks, each host link 10gbit" in proc.stdout
+    assert "# emulated: 2 hosts x 2 ranks, each host link 1gbit" in proc.stdout
     assert _ip("netns", "list").stdout == before
 
 
