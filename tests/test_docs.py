@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -122,18 +123,16 @@ def test_an_example_run_by_a_test_is_run_there():
         assert b.lang == "bash", b.id
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
-def test_every_example_runs(block, tmp_path):
+def _needs(block) -> str | None:
+    """What the example needs that this machine lacks, or None."""
     need = block.tags.get("needs")
-    if need:
-        available, what = NEEDS[need]
-        if not available():
-            pytest.skip(f"{block.id} needs {what}")
-    if "file" in block.tags:
-        assert block.code == (ROOT / block.tags["file"]).read_text(), f"{block.id} differs from {block.tags['file']}"
-        return
-    cwd = _scratch(tmp_path)
+    if need and not NEEDS[need][0]():
+        return NEEDS[need][1]
+    return None
+
+
+def _run(block, cwd: pathlib.Path):
+    """Runs one example in its scratch folder: its process, or the TimeoutExpired that stopped it."""
     # The examples are run to show they work, not to time anything: a short benchmark budget, short probes.
     env = clean_launch_env(GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", COMMLAB_BENCH_BUDGET="0.02",
                            COMMLAB_PROBE_REPS="4")
@@ -144,10 +143,41 @@ def test_every_example_runs(block, tmp_path):
         n = block.tags.get("torchrun")
         cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"] if n else []) \
             + ["example.py"]
-    timeout = float(block.tags.get("timeout", 300))
     try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=float(block.tags.get("timeout", 300)))
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{block.id} ran past {timeout:.0f} s:\n{block.code}\n{(e.stdout or b'')[-3000:]!r}")
+        return e
+
+
+# Two examples at a time: each is a fresh interpreter (or three) that spends seconds importing
+# torch on one core, so one at a time left a core idle for a third of their 7 minutes. They
+# assert nothing about time, and each has its own folder, port and shared-memory names.
+AT_ONCE = 2
+
+
+@pytest.fixture(scope="module")
+def examples(request, tmp_path_factory):
+    """The selected examples, started in the order they are collected, AT_ONCE at a time:
+    block id -> a future of its process."""
+    chosen = [item.callspec.params["block"] for item in request.session.items
+              if item.originalname == "test_every_example_runs" and hasattr(item, "callspec")]
+    todo = [b for b in chosen if "file" not in b.tags and _needs(b) is None]
+    with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
+        yield {b.id: pool.submit(_run, b, _scratch(tmp_path_factory.mktemp("example"))) for b in todo}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
+def test_every_example_runs(block, examples):
+    lacking = _needs(block)
+    if lacking:
+        pytest.skip(f"{block.id} needs {lacking}")
+    if "file" in block.tags:
+        assert block.code == (ROOT / block.tags["file"]).read_text(), f"{block.id} differs from {block.tags['file']}"
+        return
+    proc = examples[block.id].result()
+    if isinstance(proc, subprocess.TimeoutExpired):
+        pytest.fail(f"{block.id} ran past {proc.timeout:.0f} s:\n{block.code}\n{(proc.stdout or b'')[-3000:]!r}")
     assert proc.returncode == 0, f"{block.id} failed ({proc.returncode}):\n{block.code}\n--- stdout\n" \
         f"{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
