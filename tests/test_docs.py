@@ -9,8 +9,8 @@ import re
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
+import ahead
 import pytest
 import torch
 from ranks import clean_launch_env, mpi_launcher
@@ -131,8 +131,11 @@ def _needs(block) -> str | None:
     return None
 
 
-def _run(block, cwd: pathlib.Path):
-    """Runs one example in its scratch folder: its process, or the TimeoutExpired that stopped it."""
+def _launch(tmp: pathlib.Path, block) -> ahead.Launch | None:
+    """How an example runs, in a scratch folder of its own; None where it runs nothing here."""
+    if "file" in block.tags or _needs(block):
+        return None
+    cwd = _scratch(tmp)
     # The examples are run to show they work, not to time anything: a short benchmark budget, short probes.
     env = clean_launch_env(GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", COMMLAB_BENCH_BUDGET="0.02",
                            COMMLAB_PROBE_REPS="4")
@@ -143,41 +146,23 @@ def _run(block, cwd: pathlib.Path):
         n = block.tags.get("torchrun")
         cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"] if n else []) \
             + ["example.py"]
-    try:
-        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=float(block.tags.get("timeout", 300)))
-    except subprocess.TimeoutExpired as e:
-        return e
+    return ahead.Launch(cmd, env=env, cwd=cwd, timeout=float(block.tags.get("timeout", 300)))
 
 
-# Two examples at a time: each is a fresh interpreter (or three) that spends seconds importing
-# torch on one core, so one at a time left a core idle for a third of their 7 minutes. They
-# assert nothing about time, and each has its own folder, port and shared-memory names.
-AT_ONCE = 2
-
-
-@pytest.fixture(scope="module")
-def examples(request, tmp_path_factory):
-    """The selected examples, started in the order they are collected, AT_ONCE at a time:
-    block id -> a future of its process."""
-    chosen = [item.callspec.params["block"] for item in request.session.items
-              if item.originalname == "test_every_example_runs" and hasattr(item, "callspec")]
-    todo = [b for b in chosen if "file" not in b.tags and _needs(b) is None]
-    with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
-        yield {b.id: pool.submit(_run, b, _scratch(tmp_path_factory.mktemp("example"))) for b in todo}
+# Two at a time (tests/ahead.py): they assert nothing about time, and each has its own
+# folder, port and shared-memory names.
+examples = ahead.launches({"test_every_example_runs": _launch})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
-def test_every_example_runs(block, examples):
+def test_every_example_runs(block, examples, request):
     lacking = _needs(block)
     if lacking:
         pytest.skip(f"{block.id} needs {lacking}")
     if "file" in block.tags:
         assert block.code == (ROOT / block.tags["file"]).read_text(), f"{block.id} differs from {block.tags['file']}"
         return
-    proc = examples[block.id].result()
-    if isinstance(proc, subprocess.TimeoutExpired):
-        pytest.fail(f"{block.id} ran past {proc.timeout:.0f} s:\n{block.code}\n{(proc.stdout or b'')[-3000:]!r}")
+    proc, _, _ = examples.take(request)
     assert proc.returncode == 0, f"{block.id} failed ({proc.returncode}):\n{block.code}\n--- stdout\n" \
         f"{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
