@@ -43,6 +43,14 @@ launches = ahead.launches({
     "test_compare_repeat_runs_and_pools_end_to_end": lambda tmp: _compare(
         tmp, "--modes", "ddp", *SMALL, "--repeat", "2", "--predict", "this-host", "--trace", str(tmp / "t"),
         timeout=600, **THIS_HOST),
+    "test_compare_trains_the_users_model": lambda tmp: _compare(
+        tmp, "--model", "tests.models:tiny_cnn", "--modes", "ddp,ddp:shm", "--batch-size", "8", "--iters", "3",
+        "--warmup", "1"),
+    "test_predict_cli_takes_the_users_model": lambda tmp: ahead.Launch(
+        [sys.executable, "-m", "commlab.predict", "--hardware", "h100-sxm-nvlink", "--gpus", "2", "--model",
+         "tests.models:tiny_mlp", "--input-shape", "32", "--batch-size", "64", "--json", str(tmp / "p.json")]),
+    "test_a_factory_that_returns_no_module_is_a_clear_error": lambda tmp: ahead.Launch(
+        [sys.executable, "-m", "commlab.compare", "--device", "cpu", "--model", "tests.models:not_a_model"]),
 })
 
 
@@ -231,3 +239,31 @@ def test_compare_repeat_runs_and_pools_end_to_end(launches, request):
         f"{m}_run_{k}.json" for m in ("ddp", "ddp:noop") for k in ((1, 2) if m == "ddp" else (1, 2, 3)))
     assert " σ)" in proc.stdout  # the predicted column against the one pooled measured column
     assert "# running ddp (run 2 of 2) ..." in proc.stderr and "# running ddp:noop (run 3 of 3) ..." in proc.stderr
+
+
+# The user's own model, `--model package.module:factory` (tests/models.py; its units: tests/test_user_models.py).
+
+@pytest.mark.slow
+def test_compare_trains_the_users_model(launches, request):
+    proc, tmp_path, _ = launches.take(request)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "c.json").read_text())
+    assert doc["env"]["model"] == "tests.models:tiny_cnn"
+    modes = {m["mode"]: m for m in doc["modes"]}
+    assert modes["ddp"]["status"] == modes["ddp:shm"]["status"] == "ok"
+    # One model, one seed, one data set: the same training whatever carries the gradients.
+    assert modes["ddp"]["final_loss"] == pytest.approx(modes["ddp:shm"]["final_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_predict_cli_takes_the_users_model(launches, request):
+    proc, tmp_path, _ = launches.take(request)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "p.json").read_text())["modes"]}
+    assert rows["ddp"]["status"] == "ok" and rows["ddp"]["iter_ms"]["median"] > 0
+
+
+@pytest.mark.slow
+def test_a_factory_that_returns_no_module_is_a_clear_error(launches, request):
+    bad, _, _ = launches.take(request)
+    assert bad.returncode == 2 and "must return an nn.Module" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,10 +1,8 @@
 """The user's own model, `--model package.module:factory`, in compare and predict: a
 model defined in a test file (tests/models.py) is trained by DDP on every rank, traced
-by predict, and a factory that cannot serve is a clear error before any rank starts."""
-import json
+by predict, and a factory that cannot serve is a clear error before any rank starts (the
+CLIs' runs with it: tests/test_compare_runs.py)."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -53,31 +51,3 @@ def test_predict_traces_the_users_model():
     assert len(step.grad_ready) == len(step.params) and step.input_bytes == 4 * 3 * 16 * 16 * 4
     conv = [o for o in step.ops if o.kind == "conv"]
     assert conv and conv[0].flops > 0
-
-
-def _run(args, tmp_path):
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"),
-                          capture_output=True, text=True, timeout=600)
-
-
-@pytest.mark.slow
-def test_compare_and_predict_take_the_users_model(tmp_path):
-    out = tmp_path / "c.json"
-    proc = _run(["commlab.compare", "--device", "cpu", "--world-size", "2", "--model", "tests.models:tiny_cnn",
-                 "--modes", "ddp,ddp:shm", "--batch-size", "8", "--iters", "3", "--warmup", "1", "--json", str(out)],
-                tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
-    assert doc["env"]["model"] == "tests.models:tiny_cnn"
-    modes = {m["mode"]: m for m in doc["modes"]}
-    assert modes["ddp"]["status"] == modes["ddp:shm"]["status"] == "ok"
-    # One model, one seed, one data set: the same training whatever carries the gradients.
-    assert modes["ddp"]["final_loss"] == pytest.approx(modes["ddp:shm"]["final_loss"], rel=1e-5)
-    out = tmp_path / "p.json"
-    proc = _run(["commlab.predict", "--hardware", "h100-sxm-nvlink", "--gpus", "2", "--model", "tests.models:tiny_mlp",
-                 "--input-shape", "32", "--batch-size", "64", "--json", str(out)], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["mode"]: r for r in json.loads(out.read_text())["modes"]}
-    assert rows["ddp"]["status"] == "ok" and rows["ddp"]["iter_ms"]["median"] > 0
-    bad = _run(["commlab.compare", "--device", "cpu", "--model", "tests.models:not_a_model"], tmp_path)
-    assert bad.returncode == 2 and "must return an nn.Module" in bad.stderr and "Traceback" not in bad.stderr
