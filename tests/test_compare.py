@@ -713,3 +713,26 @@ def test_repeated_compute_only_runs_pool_their_waits_and_keep_every_run():
     assert got["trace"] == [{"json": "t30.0"}, {"json": "t90.0"}]
     assert [r["arrival_skew_ms"] for r in got["per_run"]] == [30.0, 90.0]
     assert "exposed_se" not in got["grad_sync_ms"]  # nothing exposed: no ± to print beside it
+
+
+def test_a_modes_name_is_read_in_one_place():
+    """Every mode compare runs and predict prices, read by one parser (commlab.training.modes):
+    its kind, the algorithm in its name, the backend, and what reduces a DDP-bucketed mode's
+    gradients; a name that is no mode has no kind (compare reports it unavailable)."""
+    from commlab.training.compare import modes
+    from commlab.training.modes import Mode
+
+    got = {n: Mode.parse(n) for n in modes.all_modes("cpu")}
+    assert {n: (m.kind, m.algorithm, m.backend, m.noop, m.reshard) for n, m in got.items() if ":" not in n} == {
+        "dp": ("dp", None, None, False, True), "ddp": ("ddp", None, None, False, True),
+        "ddp@commlab": ("ddp", None, "commlab", False, True), "zero1": ("zero1", None, None, False, True),
+        "fsdp": ("fsdp", None, None, False, True)}
+    assert got["ddp:ring"].algorithm == "ring" and got["ddp:ring"].all_reduce == "ring"
+    assert got["ddp:noop"].noop and got["ddp:noop"].all_reduce is None and got["ddp:noop"].algorithm is None
+    assert not got["fsdp:noreshard"].reshard and got["fsdp:noreshard"].collectives == "builtin"
+    assert got["fsdp:shm"].collectives == "shm" and got["fsdp:shm"].sharded and got["zero1"].sharded
+    assert got["ddp"].all_reduce == got["ddp@commlab"].all_reduce == got["zero1"].all_reduce == "builtin"
+    assert not any(got[n].sharded for n in ("dp", "ddp", "ddp:shm", "ddp@commlab"))
+    for bad in ("foo", "ddp:", "ddp@", "dp:x", "zero1:x", ""):
+        assert Mode.parse(bad).kind == "", bad
+    assert modes.run_mode("foo", 2, {"device": "cpu"})["status"] == "unavailable"

@@ -14,11 +14,12 @@ import torch
 from commlab import algorithms
 from commlab.training import workloads
 from commlab.training.compare import report
-from commlab.training.modes import is_sharded
+from commlab.training.modes import Mode
 
 
 def _predicted_modes(modes: list[str]) -> list[str]:
-    wanted = [m for m in modes if m == "dp" or m == "ddp" or m.startswith("ddp:") or is_sharded(m)]
+    parsed = [Mode.parse(m) for m in modes]
+    wanted = [m.name for m in parsed if m.kind in ("dp", "zero1", "fsdp") or (m.kind == "ddp" and not m.backend)]
     return list(dict.fromkeys(wanted))  # this-host runs ddp:noop twice: one predicted column
 
 
@@ -166,14 +167,14 @@ def host_collectives(modes: list[str]) -> dict[str, list[str]]:
 
     cpu = algorithms.for_device("cpu")
     need: dict[str, list[str]] = {"all_reduce": ["builtin"]}
-    for m in modes:
-        if m.startswith("ddp:") and m[4:] in cpu:
-            need["all_reduce"].append(m[4:])
-        elif m == "zero1":
+    for m in map(Mode.parse, modes):
+        if m.kind == "ddp" and m.algorithm in cpu:
+            need["all_reduce"].append(m.algorithm)
+        elif m.kind == "zero1":
             need.setdefault("broadcast", []).append(S.BROADCAST["cpu"])
-        elif is_sharded(m):
+        elif m.kind == "fsdp":
             for c in ("all_gather", "reduce_scatter"):
-                need.setdefault(c, []).append(S.fsdp_algorithm(m))
+                need.setdefault(c, []).append(m.collectives)
     return {c: list(dict.fromkeys(names)) for c, names in need.items()}
 
 
@@ -203,8 +204,8 @@ def full_bucket_bytes(args: dict) -> int:
 def _ddp_all_reduces(modes: list[str]) -> list[str]:
     """The all-reduce algorithms the DDP-bucketed modes call (zero1: DDP's own)."""
     cpu = algorithms.for_device("cpu")
-    names = ["builtin" if m in ("ddp", "zero1") else m[4:] for m in modes
-             if m in ("ddp", "zero1") or (m.startswith("ddp:") and m[4:] in cpu)]
+    parsed = [Mode.parse(m) for m in modes]
+    names = [m.all_reduce for m in parsed if not m.backend and (m.all_reduce == "builtin" or m.all_reduce in cpu)]
     return list(dict.fromkeys(names))
 
 
@@ -226,7 +227,7 @@ def probe_in_training(world: int, modes: list[str], nbytes: int = 16 << 20, ddp_
 
     reps = int(os.environ.get("COMMLAB_PROBE_REPS", syncprobe.REPS))
     calls = [(c, name, nbytes, state)
-             for c, names in host_collectives([m for m in modes if m.startswith("fsdp")]).items()
+             for c, names in host_collectives([m for m in modes if Mode.parse(m).kind == "fsdp"]).items()
              if c in ("all_gather", "reduce_scatter") for name in names for state in (syncprobe.FRESH, syncprobe.REUSED)]
     if ddp_bytes:
         calls += [("all_reduce", name, ddp_bytes) for name in _ddp_all_reduces(modes)]

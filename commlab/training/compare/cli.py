@@ -38,8 +38,8 @@ from commlab.measure.launch import check_gpus_per_rank
 from commlab.training import workloads
 from commlab.training.compare import report, search
 from commlab.training.compare.calibrate import host_sample, predicted, sample_after
-from commlab.training.compare.modes import all_modes, default_modes, is_ddp, run_mode
-from commlab.training.modes import is_sharded
+from commlab.training.compare.modes import all_modes, default_modes, run_mode
+from commlab.training.modes import Mode
 
 
 def write_trace(records: list[dict], label: str, directory: str) -> dict:
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
         ap.error("--bucket-cap-mb must be positive")
     args["bucket_cap_mb"] = caps[0]
     modes = all_modes(a.device) if a.modes == "all" else (a.modes.split(",") if a.modes else default_modes(a.device))
-    any_sharded = any(is_sharded(m) for m in modes)
+    any_sharded = any(Mode.parse(m).sharded for m in modes)
     if a.model is None:
         args["model"] = "resnet50" if a.device == "cuda" else ("transformer" if any_sharded else "mlp")
     if a.optimizer is None:
@@ -155,17 +155,19 @@ def main(argv=None) -> int:
         env["note"] = "--share-gpu: all DDP ranks on one GPU over gloo, a functional check, not a speed figure"
     results, samples = [], []
     for n, mode in enumerate(modes):
+        m = Mode.parse(mode)
         # bucket_cap_mb shapes DDP's gradient buckets: swept for the modes that communicate.
-        for cap in (caps if is_ddp(mode) and mode != "ddp:noop" else caps[:1]):
+        swept = m.kind == "ddp" and not m.noop
+        for cap in (caps if swept else caps[:1]):
             margs = dict(args, bucket_cap_mb=cap)
-            label = f"{mode} @{cap:g}MB" if len(caps) > 1 and is_ddp(mode) and mode != "ddp:noop" else mode
+            label = f"{mode} @{cap:g}MB" if len(caps) > 1 and swept else mode
             if a.repeat == 1 and modes.count(mode) > 1:  # this-host's compute-only step, run first and last
                 label = f"{mode} ({'first' if n == modes.index(mode) else 'last'})"
             run = modes[:n].count(mode) + 1  # which of this mode's runs (--repeat)
             print(f"# running {label}" + (f" (run {run} of {modes.count(mode)})" if a.repeat > 1 else "") + " ...",
                   file=sys.stderr, flush=True)
             res = run_mode(mode, world, margs)
-            if is_ddp(mode):
+            if m.kind == "ddp":
                 res["bucket_cap_mb"] = cap
             if label != mode:
                 res["label"] = label

@@ -8,11 +8,12 @@ from commlab import algorithms
 from commlab.measure import pools, trace
 from commlab.training import fsdp
 from commlab.training.compare import report, sharded, workers
+from commlab.training.modes import Mode
 
 
 def default_modes(device: str) -> list[str]:
     wanted = ["dp", "ddp", "ddp:ring", "ddp:ps", "ddp:shm", "ddp:noop"] + _backend_modes(device)
-    return [m for m in wanted if not m.startswith("ddp:") or m == "ddp:noop" or m[4:] in algorithms.for_device(device)]
+    return [m for m in wanted if Mode.parse(m).algorithm in (None, *algorithms.for_device(device))]
 
 
 def all_modes(device: str) -> list[str]:
@@ -37,10 +38,6 @@ def sharded_refusal(args: dict) -> str | None:
 def _backend_modes(device: str) -> list[str]:
     """DDP's default reduction with the process group on commlab's backend (CPU tensors)."""
     return ["ddp@commlab"] if device == "cpu" else []
-
-
-def is_ddp(mode: str) -> bool:
-    return mode == "ddp" or mode.startswith("ddp:") or mode.startswith("ddp@")
 
 
 def _failed(mode: str, outcomes: dict, timeout: float) -> dict:
@@ -101,10 +98,11 @@ def run_dp_mode(args: dict) -> dict:
 
 def run_mode(mode: str, world: int, args: dict) -> dict:
     device = args["device"]
-    if mode == "dp":
+    m = Mode.parse(mode)
+    if m.kind == "dp":
         return run_dp_mode(args)
-    if mode in ("ddp", "ddp:noop") or (mode.startswith("ddp:") and mode[4:] in algorithms.for_device(device)) \
-            or mode in _backend_modes(device):
+    if m.kind == "ddp" and (m.algorithm in (None, *algorithms.for_device(device))) \
+            and (not m.backend or mode in _backend_modes(device)):
         return run_ddp_mode(mode, world, args)
     if mode in _sharded_modes(device):
         refusal = sharded_refusal(args)

@@ -6,13 +6,15 @@ from typing import Callable
 
 import torch
 
+from commlab.training.modes import Mode
+
 
 def find_max_batch(mode: str, world: int, args: dict, run: Callable[[str, int, dict], dict]) -> tuple[int | None, list]:
     """The largest global batch (a multiple of the ranks/GPUs) that runs a short training
     without running out of memory: double from --batch-size until a run fails, then
     bisect between the last success and the first failure. Every probe runs in fresh
     processes, like the modes themselves. Returns (batch or None, [(batch, status)])."""
-    unit = world if mode.startswith("ddp") else (args["gpus"] or max(torch.cuda.device_count(), 1))
+    unit = world if Mode.parse(mode).kind == "ddp" else (args["gpus"] or max(torch.cuda.device_count(), 1))
     probe_args = dict(args, warmup=1, iters=2)
     probes: list[tuple[int, str]] = []
 

@@ -42,7 +42,7 @@ from commlab.training.compare.steps import (
     timed_optimizer_step,
     warm_up,
 )
-from commlab.training.predict.sharded import fsdp_algorithm
+from commlab.training.modes import Mode
 
 
 def optimizer(params, args: dict) -> torch.optim.Optimizer:
@@ -208,11 +208,12 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
-        reshard = mode != "fsdp:noreshard"
+        m = Mode.parse(mode)
+        reshard = m.reshard
         for block in workloads.blocks(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-        algorithm = mode.split(":", 1)[1] if mode.startswith("fsdp:") and mode != "fsdp:noreshard" else None
+        algorithm = m.algorithm
         fsdp.use(model, algorithm, comm)
         # Recomputed in backward as --checkpoint does in every mode; a block's recomputation
         # runs after its pre-backward unshard, so FSDP2 gathers nothing more for it.
@@ -296,7 +297,7 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     if cuda:  # the host saw launches: the device's own times, from the profiled step, and no per-call spans
         total, exposed = device_sync["total"], device_sync["exposed"]
         iterations = []
-    traced = trace.record(spans, iterations, fsdp_algorithm(mode))  # as ddp_rank's: the exposed sync's split
+    traced = trace.record(spans, iterations, Mode.parse(mode).collectives)  # as ddp_rank's: the exposed sync's split
     tensors = measure_step(model, opt, ddp_bucket_bytes(net) if mode == "zero1" else 0,
                            lambda: step(args["warmup"] + args["iters"]))
     slowest = torch.tensor(times, dtype=torch.float64, device=device)  # NCCL reduces device tensors

@@ -25,6 +25,7 @@ from commlab.training.compare.steps import (
     timed_optimizer_step,
     warm_up,
 )
+from commlab.training.modes import Mode
 
 
 def arrival_hook(log, bucket):
@@ -179,7 +180,7 @@ def timed_on_device(mode: str, device: str, backend: str) -> bool:
     from its hook's clock: `ddp` over NCCL, which marks a collective's future complete when
     it is launched (so the hook's callback runs at launch). gloo's futures complete when the
     work is done; commlab's hooks time their own calls."""
-    return mode == "ddp" and device == "cuda" and backend == "nccl"
+    return Mode.parse(mode).all_reduce == "builtin" and device == "cuda" and backend == "nccl"
 
 
 def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
@@ -189,8 +190,8 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     if cuda:
         torch.cuda.set_device(device)
     backend = "nccl" if cuda and not args["share_gpu"] else "gloo"
-    if "@" in mode:  # ddp@commlab: DDP's default reduction on commlab's torch.distributed backend
-        mode, backend = mode.split("@", 1)
+    m = Mode.parse(mode)
+    backend = m.backend or backend  # ddp@commlab: DDP's default reduction on commlab's torch.distributed backend
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args["timeout"]))
     if cuda and args["mem_limit_mb"]:
@@ -204,17 +205,17 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         # DDP's forward, and with it the gradient synchronisation.
         model = workloads.Checkpointed(model)
     ddp = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=args["bucket_cap_mb"])
-    if mode == "ddp":
+    if m.all_reduce == "builtin":
         state = hooks.BucketStats()
         ddp.register_comm_hook(state, timed_default_hook)
-    elif mode == "ddp:noop":
+    elif m.noop:
         state = None
         arrivals = {"iteration": -1, "start": 0.0, "starts": {}, "times": [], "marks": []}
         ddp.register_comm_hook(arrivals, arrival_hook)
         if not cuda:  # the marks are read on one host's clock (below)
             mark_units(wl.model, arrivals)
     else:
-        state = hooks.CommState(mode.split(":", 1)[1])
+        state = hooks.CommState(m.algorithm)
         hooks.register(ddp, state)
     from commlab.training.compare.sharded import optimizer
 
@@ -234,7 +235,7 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     spans: list[tuple[str, float, float]] = []  # --trace: this rank's compute, on the buckets' clock
 
     def step(i):
-        if mode == "ddp:noop":  # every step's hand-overs and marks on the clock of its own start
+        if m.noop:  # every step's hand-overs and marks on the clock of its own start
             arrivals["iteration"] = i
             arrivals["start"] = arrivals["starts"][i] = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -242,7 +243,7 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         for k in range(accum):
             x, y = wl.make_batch(micro, seed=(i * accum + k) * 1000 + rank, device=device)
             ctx = ddp.no_sync() if k < accum - 1 else contextlib.nullcontext()
-            if mode == "ddp:noop":
+            if m.noop:
                 micro_step(arrivals, last=k == accum - 1)
             with ctx:
                 loss = timed_micro_batch(lambda: forward_loss(x, y) / accum, scaler, spans)
@@ -289,7 +290,7 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         timing = None
     # Every rank's spans go back, traced or not: compare splits the exposed sync at the last arrival from them.
     traced = trace.record(spans, timing.iterations() if timing is not None else [],
-                          "builtin" if mode == "ddp" else mode.split(":", 1)[-1])
+                          m.all_reduce or "noop")
     per_step = st.get("per_iteration") or [{"bytes": 0}]
     tensors, params = _tensor_bytes_and_params(ddp, opt, lambda: step(args["warmup"] + args["iters"]), args)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; the true peak, mid-step too
@@ -299,7 +300,7 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     if isinstance(state, hooks.CommState):
         state.close()
     skew = ends = units = wait_se = None
-    if mode == "ddp:noop" and not cuda:  # one clock: the ranks of one machine
+    if m.noop and not cuda:  # one clock: the ranks of one machine
         # The timed steps (not the measuring step after them), and the last warm-up step: where
         # the first timed one's stretch since the previous end of backward begins.
         timed = range(args["warmup"], args["warmup"] + args["iters"])

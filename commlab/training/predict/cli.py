@@ -24,7 +24,7 @@ import sys
 
 from commlab.training import workloads
 from commlab.training.compare import report
-from commlab.training.modes import is_sharded
+from commlab.training.modes import Mode
 from commlab.training.predict import model as M
 from commlab.training.predict import per_mode
 
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(str(e))
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    optimizer = a.optimizer or ("adamw" if any(is_sharded(m) for m in modes) else "sgd")
+    optimizer = a.optimizer or ("adamw" if any(Mode.parse(m).sharded for m in modes) else "sgd")
     given = a.bucket_cap_mb is not None
     a.bucket_cap_mb = a.bucket_cap_mb if given else M.Setup.bucket_cap_mb
     s = M.Setup(model=a.model, world=a.gpus, batch_size=a.batch_size, bucket_cap_mb=a.bucket_cap_mb,

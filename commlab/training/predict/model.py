@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from commlab import algorithms
+from commlab.training.modes import Mode
 from commlab.training.predict.graph import Op, Step, trace
 
 PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
@@ -328,7 +329,8 @@ def predict_ddp(mode: str, s: Setup, prof: Profile, steps: Steps) -> dict:
     done = [0.0]
     for x in t:
         done.append(done[-1] + x)
-    algorithm = "builtin" if mode == "ddp" else mode.split(":", 1)[1] if mode.startswith("ddp:") else None
+    m = Mode.parse(mode)
+    algorithm = m.all_reduce or ("noop" if m.noop else None)
     total = exposed = waiting = slowed = exit_spread = 0.0
     first = int(s.bucket_cap_mb * 2**20) if s.bucket_cap_given else FIRST_BUCKET_BYTES
     bks = buckets(st.params, s.bucket_cap_mb, ready_order(st), first) if algorithm not in (None, "noop") else []

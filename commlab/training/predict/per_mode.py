@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from commlab import algorithms
-from commlab.training.modes import is_sharded
+from commlab.training.modes import Mode
 from commlab.training.predict import model as M
 from commlab.training.predict import sharded
 
@@ -15,18 +15,19 @@ def predict(modes: list[str], s: M.Setup, prof: M.Profile, steps: M.Steps | None
     steps = steps or M.Steps(s)
     out = []
     for mode in modes:
-        if mode == "dp":
+        m = Mode.parse(mode)
+        if m.kind == "dp":
             out.append(M.predict_dp(s, prof, steps))
-        elif mode == "ddp" or mode.startswith("ddp:"):
-            alg = mode[4:] if mode.startswith("ddp:") else "builtin"
-            if alg != "noop" and alg not in algorithms.names():
+        elif m.kind == "ddp" and not m.backend:
+            alg = m.all_reduce
+            if not m.noop and alg not in algorithms.names():
                 out.append({"mode": mode, "status": "unavailable", "predicted": True, "reason": f"unknown algorithm {alg!r}"})
                 continue
             try:
                 out.append(M.predict_ddp(mode, s, prof, steps))
             except ValueError as e:
                 out.append({"mode": mode, "status": "unavailable", "predicted": True, "reason": str(e)})
-        elif is_sharded(mode):
+        elif m.sharded:
             try:
                 out.append(sharded.predict(mode, s, prof, steps))
             except ValueError as e:

@@ -20,16 +20,11 @@ gradient shards, optimizer state, DDP's buckets), its peak reported with the bre
 at that moment; on a GPU the step's activations and the input are added."""
 from __future__ import annotations
 
+from commlab.training.modes import Mode
 from commlab.training.predict.graph import Step
 
 # ZeroRedundancyOptimizer's broadcasts: gloo's (binomial) on CPU; NCCL's pipelined ring on a GPU, the chain's formula.
 BROADCAST = {"cpu": "builtin", "cuda": "chain"}
-
-
-def fsdp_algorithm(mode: str) -> str:
-    """The all-gather / reduce-scatter algorithm an fsdp mode names (builtin: FSDP2's own)."""
-    rest = mode.split(":", 1)[1] if ":" in mode else ""
-    return "builtin" if rest in ("", "noreshard") else rest
 
 
 class Timeline:
@@ -85,7 +80,8 @@ def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us,
     """One FSDP step of `accum` micro-steps (t: one micro-step's op times): (iteration µs,
     tensor bytes at the peak, bytes communicated, schedule facts). reused: every call's
     output recycled by the allocator, as this host's probe timed it (else mapped afresh)."""
-    algorithm, reshard = fsdp_algorithm(mode), mode != "fsdp:noreshard"
+    m = Mode.parse(mode)
+    algorithm, reshard = m.collectives, m.reshard
     blocks, root = [u for u in st.units[:-1] if u.params], st.units[-1]
     size = [sum(st.params[i] for i in u.params) for u in blocks]
     root_bytes = sum(st.params[i] for i in root.params)
@@ -258,10 +254,11 @@ def predict(mode: str, s, prof, steps) -> dict:
     from commlab.training.predict import model as M
 
     p = s.world
-    if mode.startswith("fsdp:") and mode != "fsdp:noreshard":
+    m = Mode.parse(mode)
+    if m.kind == "fsdp" and m.algorithm:
         from commlab import algorithms
 
-        alg = fsdp_algorithm(mode)
+        alg = m.collectives
         for family in ("all_gather", "reduce_scatter"):
             if alg not in algorithms.registry(family).names():
                 raise ValueError(f"no {family} algorithm {alg!r}")
@@ -306,7 +303,7 @@ def predict(mode: str, s, prof, steps) -> dict:
 
         it, held, comm, facts, total, exposed, waiting = step(False)
         info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, **facts, "per_device_batch": b, **M.micro(s)}
-        algorithm = fsdp_algorithm(mode)
+        algorithm = Mode.parse(mode).collectives
         if any(prof.in_training.get(c, {}).get(algorithm, {}).get("reused") for c in ("all_gather", "reduce_scatter")):
             # Whether an output is mapped afresh or recycled is the allocator's state at that
             # moment, which nothing before the run tells: the middle of the two states, their
