@@ -5,6 +5,7 @@ own result against an exact reference without extra communication.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import torch
@@ -174,3 +175,35 @@ def assert_refusal_named(got: list, says: str) -> None:
         kind, text, took = got[r]
         assert kind != "returned" and "rank 1" in text, got
         assert took < 5, got
+
+
+# -- what every family's test file shares ---------------------------------------------------
+
+def family_sweep(algorithms: list[str], quick_at_3=None) -> list:
+    """(world_size, algorithm) for a family's sweep over 1-5 and 8 ranks (builtin to 4):
+    5 and 8 ranks in the slow tier, and 3 ranks too except for quick_at_3 (None: all quick)."""
+    import pytest
+
+    cases = [(w, a) for a in algorithms for w in (1, 2, 3, 4, 5, 8) if not (a == "builtin" and w > 4)]
+    return [pytest.param(w, a, marks=pytest.mark.slow)
+            if w > 4 or (w == 3 and quick_at_3 is not None and a not in quick_at_3) else (w, a) for w, a in cases]
+
+
+def assert_none_failed(results: list[list[str]]) -> None:
+    """Every rank's list of what it found wrong is empty (the first 20 named)."""
+    failures = [f for fails in results for f in fails]
+    assert not failures, "\n".join(failures[:20])
+
+
+@contextlib.contextmanager
+def halves(rank: int):
+    """Ranks 0, 2 and ranks 1, 3 of four as two sub-groups, made (and destroyed) on every
+    rank: (this rank's group, its members in order)."""
+    import torch.distributed as dist
+
+    evens, odds = dist.new_group([0, 2]), dist.new_group([1, 3])
+    try:
+        yield (evens, [0, 2]) if rank % 2 == 0 else (odds, [1, 3])
+    finally:
+        dist.destroy_process_group(evens)
+        dist.destroy_process_group(odds)

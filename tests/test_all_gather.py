@@ -11,9 +11,12 @@ import torch.distributed as dist
 from cases import (
     HOST_LAYOUTS,
     assert_drill_named_rank_1,
+    assert_none_failed,
     assert_refusal_named,
     emulated_host,
+    family_sweep,
     first_two_quick,
+    halves,
     on_fresh_group,
     picked,
 )
@@ -63,13 +66,11 @@ def sweep(rank, p, algorithm):
 
 
 def assert_sweep(results):
-    failures = [f for fails, _ in results for f in fails]
-    assert not failures, "\n".join(failures[:20])
+    assert_none_failed([fails for fails, _ in results])
     assert all(d == results[0][1] for _, d in results)
 
 
-SWEEP = [(w, a) for a in ALGORITHMS for w in (1, 2, 3, 4, 5, 8) if not (a == "builtin" and w > 4)]
-SWEEP = [pytest.param(w, a, marks=pytest.mark.slow) if w > 4 else (w, a) for w, a in SWEEP]
+SWEEP = family_sweep(ALGORITHMS)
 
 
 @pytest.mark.parametrize("world_size,algorithm", SWEEP)
@@ -125,16 +126,10 @@ def test_layouts_inplace_and_async(ranks, algorithm):
 
 
 def subgroups(rank, p, algorithm):
-    evens = dist.new_group([0, 2])
-    odds = dist.new_group([1, 3])
-    g = evens if rank % 2 == 0 else odds
-    members = [0, 2] if rank % 2 == 0 else [1, 3]
     out = torch.empty(2 * 5, dtype=torch.int64)
-    commlab.all_gather(out, torch.full((5,), rank, dtype=torch.int64), group=g, algorithm=algorithm)
-    want = torch.tensor(members).repeat_interleave(5)
-    dist.destroy_process_group(evens)
-    dist.destroy_process_group(odds)
-    return torch.equal(out, want)
+    with halves(rank) as (g, members):
+        commlab.all_gather(out, torch.full((5,), rank, dtype=torch.int64), group=g, algorithm=algorithm)
+    return torch.equal(out, torch.tensor(members).repeat_interleave(5))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

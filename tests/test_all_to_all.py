@@ -13,9 +13,12 @@ import torch.distributed as dist
 from cases import (
     HOST_LAYOUTS,
     assert_drill_named_rank_1,
+    assert_none_failed,
     assert_refusal_named,
     emulated_host,
+    family_sweep,
     first_two_quick,
+    halves,
     on_fresh_group,
     picked,
 )
@@ -74,15 +77,12 @@ def sweep(rank, p, algorithm):
     return failures
 
 
-SWEEP = [(w, a) for a in ALGORITHMS for w in (1, 2, 3, 4, 5, 8) if not (a == "builtin" and w > 4)]
-SWEEP = [pytest.param(w, a, marks=pytest.mark.slow) if w > 4 or (w == 3 and a not in ("bruck", "shm"))
-         else (w, a) for w, a in SWEEP]
+SWEEP = family_sweep(ALGORITHMS, quick_at_3=("bruck", "shm"))
 
 
 @pytest.mark.parametrize("world_size,algorithm", SWEEP)
 def test_sweep(ranks, world_size, algorithm):
-    failures = [f for fails in ranks.run(world_size, sweep, algorithm, timeout=300) for f in fails]
-    assert not failures, "\n".join(failures[:20])
+    assert_none_failed(ranks.run(world_size, sweep, algorithm, timeout=300))
 
 
 def large(rank, p, algorithm):
@@ -134,13 +134,8 @@ def test_layouts_and_async(ranks, algorithm):
 
 
 def subgroups(rank, p, algorithm):
-    evens = dist.new_group([0, 2])
-    odds = dist.new_group([1, 3])
-    g = evens if rank % 2 == 0 else odds
-    ok = exchange(rank // 2, 2, splits_of("uneven", 2, 3), 2, torch.int64, algorithm, group=g)
-    dist.destroy_process_group(evens)
-    dist.destroy_process_group(odds)
-    return ok
+    with halves(rank) as (g, _):
+        return exchange(rank // 2, 2, splits_of("uneven", 2, 3), 2, torch.int64, algorithm, group=g)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
