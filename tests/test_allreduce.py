@@ -338,15 +338,15 @@ def test_docs_show_the_registry_as_it_is():
 
 
 def test_docs_example_algorithm_is_the_registered_file():
-    """docs/allreduce.md's "Add an algorithm" example is commlab/algorithms/direct.py
+    """docs/allreduce.md's "Add an algorithm" example is commlab/algorithms/all_reduce/direct.py
     itself, so the sweeps above run it like every other registered algorithm."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[1]
     page = (root / "docs" / "allreduce.md").read_text()
     section = page.split("## Add an algorithm", 1)[1]
-    block = section.split("```python file=commlab/algorithms/direct.py\n", 1)[1].split("```", 1)[0]
-    source = (root / "commlab" / "algorithms" / "direct.py").read_text()
+    block = section.split("```python file=commlab/algorithms/all_reduce/direct.py\n", 1)[1].split("```", 1)[0]
+    source = (root / "commlab" / "algorithms" / "all_reduce" / "direct.py").read_text()
     assert block == source
     assert len(source.splitlines()) <= 40
     assert "direct" in commlab.algorithm_names()

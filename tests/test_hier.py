@@ -11,7 +11,8 @@ import torch.distributed as dist
 from cases import HOST_LAYOUTS, check, make_input, reference
 
 import commlab
-from commlab.algorithms import hier
+from commlab.algorithms import layouts
+from commlab.algorithms.all_reduce import hier
 from commlab.core.reduction import Op
 
 LAYOUTS = HOST_LAYOUTS
@@ -34,7 +35,7 @@ def hier_layout(rank, p, hosts, full):
                     dist.all_gather(bits, x)
                     out[f"{n} {dtype} {op.name}"] = (check(x, want, tol) is None,
                                                      all(torch.equal(b, x) for b in bits))
-        layout = hier.host_layouts.get(group)
+        layout = layouts.host_layouts.get(group)
         out["layout"] = (layout.hosts, layout.per_host, layout.shards)
         dist.destroy_process_group(group)
         return out
@@ -131,7 +132,7 @@ def auto_picks(rank, p, hosts):
         group = dist.new_group()
         x = torch.full((100,), float(rank))
         commlab.all_reduce(x, group=group, algorithm="auto")
-        used_hier = id(group) in hier.host_layouts._items
+        used_hier = id(group) in layouts.host_layouts._items
         dist.destroy_process_group(group)
         return used_hier, torch.equal(x, torch.full((100,), float(sum(range(p)))))
     finally:
@@ -200,11 +201,10 @@ def test_releasing_a_layout_whose_sub_groups_are_gone_is_quiet():
     on every rank of every multi-host hier job that ended that way)."""
     import datetime
 
-    from commlab.algorithms import hier
     from commlab.algorithms.base import Context
     from commlab.core.groups import GroupInfo
 
     gone = GroupInfo(ref=lambda: None, rank=0, size=2, global_ranks=(0, 2), timeout=datetime.timedelta(seconds=1))
-    layout = hier.Layout(members=[[0, 1], [2, 3]], local=0, local_size=2, shards=2, intra=gone,
+    layout = layouts.Layout(members=[[0, 1], [2, 3]], local=0, local_size=2, shards=2, intra=gone,
                          inter=Context(info=gone, p2p=None))
-    hier._release_layout(layout)
+    layouts._release_layout(layout)

@@ -1,7 +1,9 @@
-"""The algorithm registries, one per collective. The all-reduce family is this
-package's own modules; every other collective is a sub-package with its own registry
-(all_gather/, reduce_scatter/, broadcast/, ...). Every module that defines ALGORITHM is registered at import, and
-the API, hooks, CLI, benches and tests all iterate the registries."""
+"""The algorithm registries, one per collective: each collective is a sub-package
+(all_reduce/, all_gather/, reduce_scatter/, broadcast/, all_to_all/) with one module
+per algorithm, registered at import; what the families share (the base classes, the
+registry, folding onto a power of two, host layouts, the tuning file, the shared-memory
+and auto members) sits here beside them. The API, hooks, CLI, benches and tests all
+iterate the registries; all-reduce's is also this package's own (names, get, ...)."""
 from __future__ import annotations
 
 import importlib
@@ -9,19 +11,15 @@ import importlib
 from commlab.core.collectives import COLLECTIVES
 from commlab.core.errors import UnsupportedError
 
+from .all_reduce import REGISTRY
 from .base import Algorithm, Context, Cost, Traffic
 from .registry import Registry
 
-REGISTRY = Registry("all_reduce", Algorithm)
 register, names, get, for_device = REGISTRY.api()
-
-REGISTRY.discover(__name__, __path__)
 
 
 def registry(collective: str) -> Registry:
     """The registry of a collective's family."""
-    if collective == "all_reduce":
-        return REGISTRY
     if collective not in COLLECTIVES:
         raise UnsupportedError(f"commlab: unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
     return importlib.import_module(f"{__name__}.{collective}").REGISTRY

@@ -178,3 +178,8 @@ class Algorithm(Member):
         rank asks at the same point of its first call of a plan."""
         return False
 
+
+def ring_stages(c: Cost, hosts: int, by: str) -> list[Stage]:
+    """A ring over ranks numbered host by host: one pair per host link, each way, every
+    step, and every step waits for its slowest pair, the one that crosses."""
+    return [Stage("link" if hosts > 1 else "host", c.steps, c.bytes_sent, c.bytes_reduced, by)]

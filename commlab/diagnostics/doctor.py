@@ -148,7 +148,7 @@ def check_layout(group=None) -> Check:
     """Collective: the hosts this group's ranks are on (the identity shm and hier group
     by: hostname, boot, mount and network namespace), and the path `hier` and `auto`
     take on them."""
-    from commlab.algorithms import auto, hier
+    from commlab.algorithms.all_reduce import auto, hier
     from commlab.core import groups
     from commlab.transports.setup import by_host, gather, host_id
 

@@ -6,8 +6,7 @@ import torch.distributed as dist
 from commlab.core.errors import PeerError
 from commlab.transports.p2p import moves_cuda
 
-from ..base import Cost
-from ..ring import ring_stages
+from ..base import Cost, ring_stages
 from .base import AllGatherAlgorithm, as_bytes
 
 

@@ -11,7 +11,7 @@ from commlab.transports import shm
 
 from ..base import Stage
 from ..family_shm import HierarchicalMember
-from ..hier import host_layouts
+from ..layouts import host_layouts
 from .base import AllGatherAlgorithm, as_bytes
 
 

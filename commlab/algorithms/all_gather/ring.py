@@ -1,7 +1,6 @@
 """Ring all-gather (MPICH's allgather ring, NCCL's): in step s every rank passes the block
 it received in step s-1 to its right neighbour; p-1 steps, each block crosses each link once."""
-from ..base import Cost
-from ..ring import ring_stages
+from ..base import Cost, ring_stages
 from .base import AllGatherAlgorithm, blocks, place_own
 
 

@@ -7,8 +7,7 @@ from commlab.core.errors import PeerError
 from commlab.core.reduction import TO_TORCH
 from commlab.transports.p2p import moves_cuda
 
-from ..base import Cost
-from ..ring import ring_stages
+from ..base import Cost, ring_stages
 from .base import ReduceScatterAlgorithm
 
 

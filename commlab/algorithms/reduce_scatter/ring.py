@@ -6,8 +6,7 @@ import torch
 
 from commlab.core.reduction import combine_into
 
-from ..base import Cost
-from ..ring import ring_stages
+from ..base import Cost, ring_stages
 from .base import ReduceScatterAlgorithm, slices
 
 

@@ -5,7 +5,7 @@ import torch
 
 from commlab.core.reduction import reduce_into
 
-from .base import Algorithm, Cost
+from ..base import Algorithm, Cost
 
 ROOT = 0
 

@@ -4,7 +4,7 @@ when every GPU can read every other's memory, host-staged shared memory otherwis
 from commlab.core import ext
 from commlab.transports import ipc
 
-from .base import Algorithm, Cost
+from ..base import Algorithm, Cost
 
 
 class CudaIpc(Algorithm):

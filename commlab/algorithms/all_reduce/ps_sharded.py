@@ -6,7 +6,7 @@ import torch
 from commlab.core import chunks
 from commlab.core.reduction import reduce_into
 
-from .base import Algorithm, Cost
+from ..base import Algorithm, Cost
 
 
 class ShardedParameterServer(Algorithm):

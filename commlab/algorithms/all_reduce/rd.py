@@ -4,8 +4,8 @@ import torch
 
 from commlab.core.reduction import combine_into
 
-from . import pow2
-from .base import Algorithm, Cost
+from .. import pow2
+from ..base import Algorithm, Cost
 
 
 class RecursiveDoubling(Algorithm):

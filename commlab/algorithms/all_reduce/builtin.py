@@ -6,8 +6,7 @@ import torch.distributed as dist
 from commlab.core.errors import PeerError
 from commlab.core.reduction import TO_TORCH
 
-from .base import Algorithm, Cost
-from .ring import ring_stages
+from ..base import Algorithm, Cost, ring_stages
 
 
 class Builtin(Algorithm):

@@ -14,8 +14,8 @@ from commlab.core.errors import CollectiveMismatchError, UnsupportedError
 from commlab.transports.p2p import P2P
 from commlab.transports.setup import by_host, gather, host_id
 
-from . import tuning
-from .base import Algorithm, Context
+from .. import tuning
+from ..base import Algorithm, Context
 
 
 class Auto(Algorithm):

@@ -6,8 +6,8 @@ import torch
 from commlab.core import chunks
 from commlab.core.reduction import combine_
 
-from . import pow2
-from .base import Algorithm, Cost, Stage
+from .. import pow2
+from ..base import Algorithm, Cost, Stage
 
 
 class HalvingDoubling(Algorithm):

@@ -7,7 +7,7 @@ import torch
 from commlab.core import chunks
 from commlab.core.reduction import combine_
 
-from .base import Algorithm, Cost, Stage
+from ..base import Algorithm, Cost, ring_stages
 
 # Within one step a chunk travels as segments so the reduction of segment k
 # overlaps the transfer of segment k+1.
@@ -55,12 +55,6 @@ class Ring(Algorithm):
         # ends with the owner's bytes, so results are bitwise identical.
         for s in range(p - 1):
             ctx.p2p.run([(parts[(r + 1 - s) % p], right)], [(parts[(r - s) % p], left)])
-
-
-def ring_stages(c: Cost, hosts: int, by: str) -> list[Stage]:
-    """A ring over ranks numbered host by host: one pair per host link, each way, every
-    step, and every step waits for its slowest pair, the one that crosses."""
-    return [Stage("link" if hosts > 1 else "host", c.steps, c.bytes_sent, c.bytes_reduced, by)]
 
 
 ALGORITHM = Ring()

@@ -2,7 +2,7 @@
 others copy the result (DataParallel's pattern over shared memory, for the comparison)."""
 from commlab.transports import shm
 
-from .base import Cost, Traffic
+from ..base import Cost, Traffic
 from .shm import SharedMemory
 
 

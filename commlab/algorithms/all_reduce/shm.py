@@ -5,7 +5,7 @@ from dataclasses import replace
 
 from commlab.transports import shm
 
-from .base import Algorithm, Cost, Traffic
+from ..base import Algorithm, Cost, Traffic
 
 
 class SharedMemory(Algorithm):
