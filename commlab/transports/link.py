@@ -77,6 +77,7 @@ class Link:
         self.error: str | None = None
         self.calls = 0  # calls agreed on the group across hosts (P2P.agree)
         self.route = None  # how call records are checked (P2P.checker)
+        self.checks = {}  # the checker of each kind of call agree() was asked about, bound once
         self.guard = None  # () -> a peer's mismatch text or None: asked by tick and connect (P2P.checker sets it)
         self.dependents: list = []  # GroupInfos of sub-groups made for the same calls (P2P.derive)
         self.waiting = 0

@@ -254,8 +254,13 @@ class P2P:
             if link.route is None:
                 link.route = self._records_route()
             if link.route is P2P._records_through_shm and record.splits is None:
-                return self.checker(record.collective, record.dtype, record.op, record.algorithm, algorithms,
-                                    record.root, record.cuda)(record.elements)
+                kind = (self.algorithm, record.collective, record.dtype, record.op, record.algorithm, record.root,
+                        record.cuda)
+                check = link.checks.get(kind)
+                if check is None:  # bound once per kind of call, as an all-reduce plan binds its own
+                    check = link.checks[kind] = self.checker(record.collective, record.dtype, record.op,
+                                                             record.algorithm, algorithms, record.root, record.cuda)
+                return check(record.elements)
             rows = link.route(self, torch.tensor(record.row(link.calls, p), dtype=torch.int64))
         except CollectiveMismatchError:
             raise
