@@ -1,0 +1,160 @@
+"""The benchmark CLI and the bench/ suite end to end, in fresh processes: their outputs'
+correctness only, no timing asserted, so the runs start ahead of their tests, two at a
+time (tests/ahead.py). The runs whose rows are set against floors, and the refusals
+timed from the test's start, stay in tests/test_cli.py."""
+import json
+import os
+import sys
+
+import ahead
+import pytest
+
+import commlab
+from commlab.measure.units import format_bytes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULT_KEYS = {"algorithm", "bytes", "count", "dtype", "op", "time_us", "algbw_gbps", "busbw_gbps", "wrong",
+               "p10_us", "p50_us", "p90_us", "iters"}
+
+
+def _python(*args, timeout=240) -> ahead.Launch:
+    return ahead.Launch([sys.executable, *args], env=dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1"),
+                        timeout=timeout)
+
+
+def _bench(*args) -> ahead.Launch:
+    return _python("-m", "commlab.allreduce_bench", *args)
+
+
+launches = ahead.launches({
+    # The floors (set against sum's rows) once: the other ops' runs are about their rows.
+    "test_bench_cli_spawn_json": lambda tmp, op, dtype: _bench(
+        "--world-size", "3", "-b", "8", "-e", "8K", "-f", "32", "--anchors", "none", "-n", "3", "-w", "1", "-o", op,
+        "-d", dtype, "--json", str(tmp / "r.json"), "--csv", str(tmp / "r.csv"),
+        *([] if op == "sum" else ["--no-floors"])),
+    "test_bench_trace_holds_every_timed_call_and_gives_back_the_table": lambda tmp, blocking: _bench(
+        "--world-size", "3", "-b", "1K", "-e", "64K", "-f", "8", "-n", "8", "--rounds", "2", "--algorithms",
+        "builtin,shm,ring", "--anchors", "none", "--quiet", "--json", str(tmp / "r.json"), "--trace",
+        str(tmp / "t.json"), "--no-floors", *(["--blocking"] if blocking else [])),
+    "test_bench_measures_every_all_gather_algorithm_checked": lambda tmp: _bench(
+        "--world-size", "3", "--collective", "all_gather", "-b", "96", "-e", "96K", "-f", "32", "--anchors", "none",
+        "-n", "3", "-w", "1", "--rounds", "1", "--json", str(tmp / "g.json")),
+    "test_bench_on_the_commlab_backend_measures_it_beside_gloo": lambda tmp: _bench(
+        "--world-size", "2", "--backend", "commlab", "-b", "4K", "-e", "64K", "-f", "16", "--anchors", "none", "-n",
+        "3", "-w", "1", "--rounds", "1", "--json", str(tmp / "r.json")),
+    "test_bench_cli_rejects_unknown_algorithm": lambda tmp: _bench(
+        "--world-size", "2", "--algorithms", "ring,nope", "-e", "8"),
+    "test_bench_suite_smoke": lambda tmp: _python(
+        "-m", "pytest", "bench/", "-q", "--benchmark-disable", "-k", "4K or kernels", "-p", "no:cacheprovider",
+        timeout=300),
+    "test_entry_points_run_without_docstrings": lambda tmp, module: _python(
+        "-OO", "-m", f"commlab.{module}", "--help", timeout=120),
+})
+
+
+@pytest.mark.parametrize("op,dtype", [("sum", "float"), pytest.param("avg", "int32", marks=pytest.mark.slow),
+                                      pytest.param("max", "bfloat16", marks=pytest.mark.slow)])
+def test_bench_cli_spawn_json(launches, request, op, dtype):
+    proc, tmp, _ = launches.take(request)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp / "r.json").read_text())
+    assert doc["env"]["world_size"] == 3 and doc["env"]["backend"] == "gloo" and doc["env"]["ranks_per_host"] == [3]
+    algs = commlab.algorithms.for_device("cpu")
+    assert {r["algorithm"] for r in doc["results"]} == set(algs)
+    assert len(doc["results"]) == 3 * len(algs)  # 8, 256, 8K bytes
+    for r in doc["results"]:
+        assert RESULT_KEYS <= set(r)
+        assert r["wrong"] == 0, r
+        assert r["p10_us"] <= r["p50_us"] <= r["p90_us"]
+        assert r["time_us"] > 0 and r["iters"] == 3
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 4 / 3)
+    assert "out of bounds values: 0 OK" in proc.stdout
+    assert (tmp / "r.csv").read_text().startswith("algorithm,bytes,count")
+
+
+@pytest.mark.parametrize("blocking", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_bench_trace_holds_every_timed_call_and_gives_back_the_table(launches, request, blocking):
+    """--trace: per rank and algorithm every timed call as a span, in order, none
+    overlapping; the table's time read back from the spans (back-to-back: the slowest
+    rank's loop per round, summed; isolated: the slowest rank per call)."""
+    proc, tmp, _ = launches.take(request)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp / "r.json").read_text())["results"]
+    assert "trace" not in json.loads((tmp / "r.json").read_text())
+    spans = [e for e in json.loads((tmp / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 3 * 3 * 3 * 8  # ranks x algorithms x sizes x calls
+    for rank in range(3):
+        mine = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["pid"] == rank)
+        # one call at a time (ts and dur are each rounded to 0.001 us: an end may read 0.0015 past the next start)
+        assert all(a[1] <= b[0] + 2e-3 for a, b in zip(mine, mine[1:]))
+    for r in rows:
+        name = f"{r['algorithm']} {format_bytes(r['bytes'])}"
+        mine = [e for e in spans if e["name"] == name]
+        assert len(mine) == 3 * 8
+        if blocking:
+            per_call: dict = {}
+            for e in mine:
+                key = (e["args"]["round"], e["args"]["call"])
+                per_call[key] = max(per_call.get(key, 0.0), e["dur"])
+            total = sum(per_call.values())
+        else:
+            per_round: dict = {}
+            for e in mine:
+                key = (e["args"]["round"], e["pid"])
+                per_round[key] = per_round.get(key, 0.0) + e["dur"]
+            total = sum(max(v for (k, _), v in per_round.items() if k == rd) for rd in (0, 1))
+        assert total / r["iters"] == pytest.approx(r["time_us"], rel=1e-3, abs=0.01), name
+
+
+@pytest.mark.slow
+def test_bench_measures_every_all_gather_algorithm_checked(launches, request):
+    """--collective all_gather: every registered all-gather algorithm, sizes as nccl-tests
+    prints them (the gathered output), busbw = algbw·(p-1)/p, #wrong 0 on every row."""
+    proc, tmp, _ = launches.take(request)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp / "g.json").read_text())
+    assert doc["collective"] == "all_gather"
+    algs = commlab.algorithms.registry("all_gather").for_device("cpu")
+    assert {r["algorithm"] for r in doc["results"]} == set(algs)
+    for r in doc["results"]:
+        assert r["wrong"] == 0, r
+        assert r["bytes"] == 3 * r["count"] * 4  # float32, 3 ranks
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 2 / 3)
+    assert "collective: all_gather" in proc.stdout and "out of bounds values: 0 OK" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_on_the_commlab_backend_measures_it_beside_gloo(launches, request):
+    """--backend commlab: every algorithm right on a commlab world group, and a
+    builtin@commlab row (dist.all_reduce as unchanged training code calls it)."""
+    proc, tmp, _ = launches.take(request)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp / "r.json").read_text())
+    assert doc["env"]["backend"] == "commlab"
+    names = {r["algorithm"] for r in doc["results"]}
+    assert names == set(commlab.algorithms.for_device("cpu")) | {"builtin@commlab"}, names
+    assert all(r["wrong"] == 0 for r in doc["results"]), doc["results"]
+
+
+@pytest.mark.slow
+def test_bench_cli_rejects_unknown_algorithm(launches, request):
+    proc, _, _ = launches.take(request)
+    assert proc.returncode != 0
+    assert "unknown algorithm 'nope'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_bench_suite_smoke(launches, request):
+    """pytest bench/ with benchmarks disabled: every benchmark body runs once."""
+    proc, _, _ = launches.take(request)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["allreduce_bench", "compare", "advise", "doctor", "costmodel"])
+def test_entry_points_run_without_docstrings(launches, request, module):
+    """python -OO strips docstrings; no entry point may depend on one."""
+    proc, _, _ = launches.take(request)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage:" in proc.stdout
