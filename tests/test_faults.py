@@ -249,6 +249,36 @@ def test_destroyed_groups_are_released(ranks):
         assert res == {n: ("freed", 9.0) for n in commlab.algorithms.for_device("cpu")}, res
 
 
+def p2p_connections_are_not_kept_alive(rank, p):
+    """commlab's own gloo context for a group's point-to-point steps goes with the group:
+    plans cached after the group's end still hold its link, and a context they kept was torn
+    down during interpreter shutdown, where its worker threads abort the process
+    ("terminate called without an active exception": once in a documentation example
+    that ran every reduce-scatter algorithm and then destroyed its group)."""
+    import gc
+
+    from commlab.transports import p2p
+
+    out = {}
+    for collective, call in (("all_reduce", lambda g: commlab.all_reduce(torch.ones(10), group=g, algorithm="ring")),
+                             ("reduce_scatter", lambda g: commlab.reduce_scatter(
+                                 torch.empty(2), torch.ones(2 * p), group=g, algorithm="ring"))):
+        g = dist.new_group(list(range(p)))
+        call(g)
+        link = p2p._links.get(g)
+        connected = link.backend is not None
+        dist.destroy_process_group(g)
+        del g
+        gc.collect()
+        out[collective] = (connected, "kept" if link.backend is not None else "released")
+    return out
+
+
+def test_a_destroyed_groups_point_to_point_connection_is_released_with_it(ranks):
+    for res in ranks.run(3, p2p_connections_are_not_kept_alive):
+        assert res == {"all_reduce": (True, "released"), "reduce_scatter": (True, "released")}, res
+
+
 def killed_mid_collective(rank, p, algorithm, victim, delay_s):
     """The victim SIGKILLs itself from a timer thread while every rank loops over
     collectives large enough that the kill lands inside one (in a transfer, a

@@ -134,6 +134,11 @@ class Link:
 
     def close(self) -> None:
         _watched.discard(self)
+        # The group is gone: its gloo context goes now, on this thread, while the interpreter
+        # runs (plans cached past the group's end still hold this link; a context they kept
+        # was torn down at interpreter shutdown, where its worker threads abort the process).
+        self.backend = self.inflight = None
+        self.checks = {}
         fds, self._fds = self._fds, []
         for fd in fds:
             try:
