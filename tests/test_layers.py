@@ -11,7 +11,7 @@ LAYERS = [
                       "commlab.costmodel", "commlab.hooks", "commlab.predict"]),
     ("tools", ["commlab.training", "commlab.measure", "commlab.diagnostics"]),
     ("the contract of a call", ["commlab.api", "commlab"]),  # the package: the API
-    ("algorithms", ["commlab.algorithms"]),
+    ("algorithms", ["commlab.algorithms", "commlab.schedule"]),
     ("transports", ["commlab.transports"]),
     ("shared facts", ["commlab.core", "commlab._C"]),
 ]

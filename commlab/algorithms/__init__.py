@@ -11,6 +11,7 @@ import importlib
 from commlab.core.collectives import COLLECTIVES
 from commlab.core.errors import UnsupportedError
 
+from . import scheduled  # noqa: F401  (makes "msccl:PATH" members of every family)
 from .all_reduce import REGISTRY
 from .base import Algorithm, Context, Cost, Traffic
 from .registry import Registry

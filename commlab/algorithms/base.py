@@ -128,6 +128,12 @@ class Member:
         API always takes `run`."""
         return None
 
+    def schedule(self, p: int):
+        """This algorithm on p ranks as a schedule (commlab.schedule: checked, priced from
+        its steps, exported as MSCCL XML), where its steps do not depend on the data's
+        size; None where it is no fixed schedule."""
+        return None
+
     def __repr__(self) -> str:
         return f"<commlab {self.collective} algorithm {self.name!r}: {self.summary}>"
 

@@ -8,6 +8,10 @@ import pkgutil
 
 from commlab.core.errors import UnsupportedError
 
+# Algorithms made from a name's argument, `prefix:argument` (a schedule file):
+# prefix -> make(registry, argument). Filled by the modules that make them.
+MAKERS: dict = {}
+
 
 class Registry:
     def __init__(self, collective: str, base, label: str = ""):
@@ -42,6 +46,9 @@ class Registry:
         try:
             return self._algorithms[name]
         except (KeyError, TypeError):
+            prefix, colon, argument = name.partition(":") if isinstance(name, str) else ("", "", "")
+            if colon and prefix in MAKERS:
+                return MAKERS[prefix](self, argument)
             raise UnsupportedError(
                 f"commlab: unknown {self._label}algorithm {name!r}; registered: {', '.join(self.names())}"
             ) from None

@@ -133,17 +133,21 @@ class P2P:
         """Post receives, then sends (peers are group ranks): posted the other way round,
         gloo moved an exchange's two directions one after the other (twice the time on
         an emulated link: docs/measurements.md#figures-behind-the-codes-choices). Empty tensors are skipped on both sides,
-        which both sides know from the sizes alone."""
+        which both sides know from the sizes alone. An entry may carry a third item, its
+        tag: messages of one tag pair in order, apart from other tags' (a schedule's
+        channels)."""
         self._refuse_if_failed()
-        meta, recv_pos, tensors = [], [], []
-        for t, peer in recvs:
+        meta, recv_pos, tensors, tags = [], [], [], []
+        for t, peer, *tag in recvs:
             recv_pos.append(len(meta) if t.numel() else None)
             if t.numel():
                 tensors.append(t)
+                tags.append(tag[0] if tag else 0)
                 meta.append(("receive from", peer))
-        for t, peer in sends:
+        for t, peer, *tag in sends:
             if t.numel():
                 tensors.append(t)
+                tags.append(tag[0] if tag else 0)
                 meta.append(("send to", peer))
         if not meta:
             return Step(self, [], [], recv_pos)
@@ -158,13 +162,14 @@ class P2P:
                         else:
                             tensors[i] = t.cpu()
                 backend = self.link.connect(self.info, self.algorithm)
-                works = [backend.recv([t], peer, 0) if kind == "receive from" else backend.send([t], peer, 0)
-                         for t, (kind, peer) in zip(tensors, meta)]
+                works = [backend.recv([t], peer, tag) if kind == "receive from" else backend.send([t], peer, tag)
+                         for t, tag, (kind, peer) in zip(tensors, tags, meta)]
             else:
                 g = self.info.group
                 works = dist.batch_isend_irecv([
-                    dist.P2POp(dist.irecv if kind == "receive from" else dist.isend, t, group=g, group_peer=peer)
-                    for t, (kind, peer) in zip(tensors, meta)])
+                    dist.P2POp(dist.irecv if kind == "receive from" else dist.isend, t, group=g, group_peer=peer,
+                               tag=tag)
+                    for t, tag, (kind, peer) in zip(tensors, tags, meta)])
         except CollectiveMismatchError as e:  # met while connecting: a peer is in another transport's call
             if self.link.error is None:
                 self.link.give_up(str(e))

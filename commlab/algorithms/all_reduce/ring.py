@@ -6,6 +6,7 @@ import torch
 
 from commlab.core import chunks
 from commlab.core.reduction import combine_
+from commlab.schedule.build import Builder
 
 from ..base import Algorithm, Cost, ring_stages
 
@@ -55,6 +56,16 @@ class Ring(Algorithm):
         # ends with the owner's bytes, so results are bitwise identical.
         for s in range(p - 1):
             ctx.p2p.run([(parts[(r + 1 - s) % p], right)], [(parts[(r - s) % p], left)])
+
+    def schedule(self, p):
+        b = Builder("all_reduce", p, per_rank=p, name="ring", inplace=True)
+        for s in range(p - 1):  # the reduce-scatter: chunk r - s travels right, folded at every rank
+            for r in range(p):
+                b.send(r, ("i", (r - s) % p), (r + 1) % p, ("i", (r - s) % p), reduce=True)
+        for s in range(p - 1):  # the all-gather: rank r owns chunk r + 1 and passes it on
+            for r in range(p):
+                b.send(r, ("i", (r + 1 - s) % p), (r + 1) % p, ("i", (r + 1 - s) % p))
+        return b.build()
 
 
 ALGORITHM = Ring()

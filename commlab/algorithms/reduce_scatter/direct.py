@@ -4,6 +4,7 @@ flight at once)."""
 import torch
 
 from commlab.core.reduction import reduce_into
+from commlab.schedule.build import Builder
 
 from ..base import Cost
 from .base import ReduceScatterAlgorithm, slices
@@ -27,6 +28,18 @@ class Direct(ReduceScatterAlgorithm):
         ctx.p2p.run([(b[q], q) for q in peers], [(got[q], q) for q in peers])
         got[r].copy_(b[r])
         reduce_into(out, list(got.unbind(0)), op)  # rank order: the same fold whatever arrived first
+
+    def schedule(self, p):
+        b = Builder("reduce_scatter", p, name="direct")
+        for r in range(p):
+            for k in range(1, p):
+                b.send(r, ("i", (r + k) % p), (r + k) % p, ("s", r))
+        for r in range(p):  # rank order, as run() folds: block q from s[q], its own from the input
+            own = [("i", r) if q == r else ("s", q) for q in range(p)]
+            b.copy(r, own[0], ("o", 0))
+            for ref in own[1:]:
+                b.reduce(r, ref, ("o", 0))
+        return b.build()
 
 
 ALGORITHM = Direct()

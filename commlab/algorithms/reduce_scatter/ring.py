@@ -5,6 +5,7 @@ p-1 steps it holds block r reduced over every rank."""
 import torch
 
 from commlab.core.reduction import combine_into
+from commlab.schedule.build import Builder
 
 from ..base import Cost, ring_stages
 from .base import ReduceScatterAlgorithm, slices
@@ -34,5 +35,15 @@ class Ring(ReduceScatterAlgorithm):
             # What arrived, folded with this rank's copy: sent on next step, or the result.
             sending = out if s == p - 2 else spare
             combine_into(sending, landing, b[(r - s - 2) % p], op)
+    def schedule(self, p):
+        b = Builder("reduce_scatter", p, name="ring")
+        for s in range(p - 1):  # what arrives, folded with the receiver's copy: passed on, or the result
+            for r in range(p):
+                to = (r + 1) % p
+                src = ("i", (r - 1) % p) if s == 0 else ("s", (s - 1) % 2)
+                dst = ("o", 0) if s == p - 2 else ("s", s % 2)
+                b.send(r, src, to, dst, fold_with=("i", (to - s - 2) % p))
+        return b.build()
+
 
 ALGORITHM = Ring()

@@ -1,0 +1,219 @@
+"""Running a checked schedule on one rank over point-to-point transfers.
+
+The checker's run gives one valid global order of every step; each rank runs its own
+steps in that order. Every receive is posted at the start (a channel is a tag, and
+messages of one tag pair in order), a send is posted when its step runs and never
+waited for before the end: a rank that blocks only on receives, in an order consistent
+with one where every receive follows its send, cannot deadlock.
+
+Sizes: a block of n elements (the whole buffer for all-reduce and broadcast, one rank's
+block otherwise) is `per_rank` chunks of n // per_rank elements; the n % per_rank left
+over run the schedule once more, one element a chunk, on padded copies of the tails.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from commlab.core.reduction import Op, combine_into
+
+from .check import Summary, alias
+from .ir import Schedule
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where chunk k of a buffer lies: blocks of `stride` elements, `per_block` chunks of
+    `elems` each at the front of every block."""
+
+    tensor: torch.Tensor
+    per_block: int
+    elems: int
+    stride: int
+
+    def view(self, k: int, cnt: int = 1) -> torch.Tensor | None:
+        """Chunks k..k+cnt as one view, or None when they are not contiguous."""
+        j, c = divmod(k, self.per_block)
+        if cnt > 1 and (c + cnt > self.per_block and self.stride != self.per_block * self.elems):
+            return None
+        start = j * self.stride + c * self.elems
+        return self.tensor[start:start + cnt * self.elems]
+
+    def pieces(self, k: int, cnt: int) -> list[torch.Tensor]:
+        return [self.view(k + x) for x in range(cnt)]
+
+
+class Program:
+    """One rank's steps of a schedule, for one call kind, in the checker's order."""
+
+    def __init__(self, s: Schedule, summary: Summary, rank: int, inplace: bool):
+        order = dict(summary.order)[inplace]
+        blocks = {b.id: b for b in s.ranks[rank].blocks}
+        self.steps = [(blocks[b], blocks[b].steps[k]) for r, b, k in order if r == rank]
+        self.alias = alias(s, rank, inplace)
+        self.s_chunks = s.ranks[rank].s_chunks
+        # A send whose chunks a later step of this rank rewrites sends a copy (a posted
+        # send reads its memory until it completes, at the end of the call).
+        last_write = {}
+        for n, (b, st) in enumerate(self.steps):
+            if st.kind.writes_dst:
+                for x in range(st.cnt):
+                    last_write[self.alias(st.dstbuf, st.dstoff + x)] = n
+        self.writes_input = any(k[0] == "i" for k in last_write)
+        self.copy_send = [st.type == "s" and any(last_write.get(self.alias(st.srcbuf, st.srcoff + x), -1) > n
+                                                 for x in range(st.cnt))
+                          for n, (b, st) in enumerate(self.steps)]
+        self.receives = [(b, st) for b, st in self.steps if st.kind.receives]
+
+    def run(self, bufs: dict, elems: int, op: Op, p2p, peer) -> None:
+        """bufs: 'i', 'o' (as memory: an aliased one absent) and 's' Layouts, chunks of
+        `elems` elements; peer(v) the group rank playing schedule rank v."""
+        some = next(iter(bufs.values())).tensor
+        landing = [torch.empty(st.cnt * elems, dtype=some.dtype, device=some.device) for _, st in self.receives]
+        posted = p2p.post([], [(t, peer(b.recv), b.chan) for t, (b, _) in zip(landing, self.receives)])
+        sends, got_n = [], 0
+
+        def chunks(buf, off, cnt):
+            out = []
+            for x in range(cnt):
+                b, k = self.alias(buf, off + x)
+                out.append(bufs[b].view(k))
+            return out
+
+        def whole(buf, off, cnt):
+            b, k = self.alias(buf, off)
+            if cnt > 1 and self.alias(buf, off + cnt - 1) != (b, k + cnt - 1):
+                return None
+            return bufs[b].view(k, cnt)
+
+        for n, (b, st) in enumerate(self.steps):
+            kind = st.kind
+            if st.type == "nop":
+                continue
+            got = None
+            if kind.receives:
+                posted.wait_recv(got_n)
+                got = landing[got_n]
+                got_n += 1
+            src = chunks(st.srcbuf, st.srcoff, st.cnt) if kind.reads_src else None
+            if st.type == "re":
+                for d, x in zip(chunks(st.dstbuf, st.dstoff, st.cnt), src):
+                    combine_into(d, x, d, op)  # the runtime's order: src (op) dst
+                continue
+            if kind.reduces:
+                for x, mine in enumerate(src):
+                    part = got[x * elems:(x + 1) * elems]
+                    combine_into(part, part, mine, op)  # received (op) local, as the runtime folds
+            if kind.writes_dst:
+                value = got if got is not None else None
+                for x, d in enumerate(chunks(st.dstbuf, st.dstoff, st.cnt)):
+                    piece = value[x * elems:(x + 1) * elems] if value is not None else src[x]
+                    if piece.data_ptr() != d.data_ptr():
+                        d.copy_(piece)
+            if kind.sends:
+                if got is not None:
+                    payload = got
+                else:
+                    payload = whole(st.srcbuf, st.srcoff, st.cnt)
+                    if payload is None:
+                        payload = torch.cat(src)
+                    elif self.copy_send[n]:
+                        payload = payload.clone()
+                sends.append(p2p.post([(payload, peer(b.send), b.chan)], []))
+        for step in sends:
+            step.wait_all()
+        posted.wait_all()
+
+
+class Runner:
+    """A schedule served to one family's calls: the programs per rank and call kind,
+    built on first use (each rank builds only its own)."""
+
+    def __init__(self, s: Schedule, summary: Summary):
+        self.s, self.summary = s, summary
+        self.kinds = dict(summary.order)
+        self._programs: dict = {}
+        c = s.collective
+        self.memory = "o" if c == "all_gather" else "i"  # the one buffer of an in-place call
+        self.per_rank_blocks = {"i": s.size if c in ("reduce_scatter", "all_to_all") else 1,
+                                "o": s.size if c in ("all_gather", "all_to_all") else 1}
+
+    def program(self, rank: int, inplace: bool) -> Program:
+        key = (rank, inplace)
+        if key not in self._programs:
+            self._programs[key] = Program(self.s, self.summary, rank, inplace)
+        return self._programs[key]
+
+    def copies(self, inplace: bool) -> str:
+        """What serving this call kind costs beyond the schedule's own steps."""
+        if inplace in self.kinds:
+            return "none"
+        return ("the input copied aside first (the schedule is proved out of place only)" if inplace
+                else "the input copied into place first (the schedule is proved in place only)")
+
+    def run(self, inp: torch.Tensor | None, out: torch.Tensor, rank: int, op: Op, p2p, peer) -> None:
+        """out = the collective of every rank's inp; inp None for an in-place call (out
+        holds the input where that call has it: all-gather's in this rank's block).
+        `rank`: the schedule rank this one plays; peer(v): the group rank playing v."""
+        s = self.s
+        inplace = inp is None
+        if inplace and True not in self.kinds:
+            inp = out.view(s.size, -1)[rank].clone() if s.collective == "all_gather" else out.clone()
+            inplace = False
+        if not inplace and False not in self.kinds:
+            if s.collective == "all_gather":
+                own = out.view(s.size, -1)[rank]
+                if own.data_ptr() != inp.data_ptr():
+                    own.copy_(inp.view(-1))
+                self._execute(self.program(rank, True), {"o": out}, op, p2p, peer)
+            elif s.collective == "reduce_scatter":
+                whole = inp.clone()
+                self._execute(self.program(rank, True), {"i": whole}, op, p2p, peer)
+                out.copy_(whole.view(s.size, -1)[rank])
+            else:
+                out.copy_(inp)
+                self._execute(self.program(rank, True), {"i": out}, op, p2p, peer)
+            return
+        program = self.program(rank, inplace)
+        if inplace:
+            self._execute(program, {self.memory: out}, op, p2p, peer)
+            return
+        if program.writes_input:  # the caller's input is never modified
+            inp = inp.clone()
+        self._execute(program, {"i": inp, "o": out}, op, p2p, peer)
+
+    def _execute(self, program: Program, buffers: dict, op: Op, p2p, peer) -> None:
+        """buffers: the flat tensors in memory ('i', 'o'); prefix chunks then the tails."""
+        s = self.s
+        per = s.per_rank
+        some = next(iter(buffers))
+        n = buffers[some].numel() // self.per_rank_blocks[some]
+        elems, tail = divmod(n, per)
+        if elems:
+            program.run(self._layouts(buffers, per, elems, n, program.s_chunks), elems, op, p2p, peer)
+        if tail:
+            staged = {k: _tails(v, self.per_rank_blocks[k], n, per, elems) for k, v in buffers.items()}
+            program.run(self._layouts(staged, per, 1, per, program.s_chunks), 1, op, p2p, peer)
+            result = "o" if "o" in buffers else "i"
+            _untail(buffers[result], staged[result], self.per_rank_blocks[result], n, per, elems, tail)
+
+    @staticmethod
+    def _layouts(buffers: dict, per: int, elems: int, stride: int, s_chunks: int) -> dict:
+        some = next(iter(buffers.values()))
+        out = {k: Layout(v.view(-1), per, elems, stride) for k, v in buffers.items()}
+        out["s"] = Layout(torch.empty(s_chunks * elems, dtype=some.dtype, device=some.device), max(s_chunks, 1),
+                          elems, max(s_chunks, 1) * elems)
+        return out
+
+
+def _tails(t: torch.Tensor, blocks: int, n: int, per: int, elems: int) -> torch.Tensor:
+    """Each block's last n - per·elems elements, padded to `per` (zeros: never a result)."""
+    staged = torch.zeros(blocks * per, dtype=t.dtype, device=t.device)
+    tail = n - per * elems
+    staged.view(blocks, per)[:, :tail].copy_(t.view(blocks, n)[:, per * elems:])
+    return staged
+
+
+def _untail(out: torch.Tensor, staged: torch.Tensor, blocks: int, n: int, per: int, elems: int, tail: int) -> None:
+    out.view(blocks, n)[:, per * elems:].copy_(staged.view(blocks, per)[:, :tail])
