@@ -103,6 +103,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("try_allreduce", &commlab::ShmComm::try_allreduce, pybind11::arg("tensor"), pybind11::arg("op"),
            pybind11::arg("mode"), pybind11::arg("dtype"),
            "allreduce() if the tensor is a contiguous CPU tensor of scalar type `dtype` (else False, untouched)")
+      .def("run_schedule", &commlab::ShmComm::run_schedule, pybind11::arg("bufs"), pybind11::arg("shape"),
+           pybind11::arg("ops"), pybind11::arg("passes"), pybind11::arg("op"), pybind11::arg("kind"),
+           pybind11::arg("total"), pybind11::arg("fingerprint"), pybind11::arg("ticks"),
+           "one call of a compiled schedule (commlab/schedule/native.py)")
       .def("allgather", &commlab::ShmComm::allgather, pybind11::arg("out"), pybind11::arg("input"),
            "out (world x n) = every rank's input (n), in rank order")
       .def("reduce_scatter", &commlab::ShmComm::reduce_scatter, pybind11::arg("out"), pybind11::arg("input"),

@@ -255,6 +255,9 @@ def _call(family, algorithm, inp, out, op, root=0, inplace=False):
     return out
 
 
+EXECUTORS = ("msccl", "msccl-shm")  # point-to-point, and native over shared memory
+
+
 def against_the_builtins(rank, p, cases):
     """Every (family, algorithm, path) run as msccl:path and as the algorithm itself:
     bitwise equal where the fold order is the same (chunks that split like the
@@ -269,14 +272,16 @@ def against_the_builtins(rank, p, cases):
                     for root in ((0, p - 1) if family == "broadcast" else (0,)):
                         for inplace in ((False, True) if family == "all_gather" else (False,)):
                             inp, out = _inputs(family, rank, p, n, dtype)
-                            ours = _call(family, f"msccl:{path}", inp, out, op, root, inplace)
                             want = _call(family, name, inp, out, op, root, inplace)
-                            exact = (not reducing or not dtype.is_floating_point or op == dist.ReduceOp.MAX
-                                     or dtype == torch.float32 and n % chunks == 0)
-                            ok = torch.equal(ours, want) if exact else _close(ours, family, rank, p, n, dtype)
-                            if not ok:
-                                failures.append(f"rank {rank}: {family} {name} {dtype} {op} n={n} root={root}"
-                                                f" inplace={inplace}: {ours[:4].tolist()} != {want[:4].tolist()}")
+                            for executor in EXECUTORS:
+                                ours = _call(family, f"{executor}:{path}", inp, out, op, root, inplace)
+                                exact = (not reducing or not dtype.is_floating_point or op == dist.ReduceOp.MAX
+                                         or dtype == torch.float32 and n % chunks == 0)
+                                ok = torch.equal(ours, want) if exact else _close(ours, family, rank, p, n, dtype)
+                                if not ok:
+                                    failures.append(f"rank {rank}: {executor} {family} {name} {dtype} {op} n={n}"
+                                                    f" root={root} inplace={inplace}: {ours[:4].tolist()} !="
+                                                    f" {want[:4].tolist()}")
     return failures
 
 
@@ -317,19 +322,24 @@ def test_a_schedule_that_cannot_serve_the_call_is_refused_alike_on_every_rank(ra
     assert "threadblock" in got[0][2][1]
 
 
-def mismatched(rank, p, path):
+def mismatched(rank, p, ours, theirs):
+    group = dist.new_group(list(range(p)))  # a fresh group: the failed call ends it
     t = torch.ones(64)
     try:
-        commlab.all_reduce(t, algorithm=f"msccl:{path}" if rank == 0 else "ring")
+        commlab.all_reduce(t, group=group, algorithm=ours if rank == 0 else theirs)
         return "returned"
     except Exception as e:  # noqa: BLE001
         return type(e).__name__
+    finally:
+        dist.destroy_process_group(group)
 
 
-def test_a_schedule_against_another_algorithm_is_a_mismatch_on_every_rank(ranks, tmp_path):
+@pytest.mark.parametrize("ours,theirs", [("msccl", "ring"), ("msccl-shm", "shm"), ("msccl-shm", "msccl")])
+def test_a_schedule_against_another_algorithm_is_a_mismatch_on_every_rank(ranks, tmp_path, ours, theirs):
     path = tmp_path / "ring2.xml"
     S.save(_ring(2), path)
-    assert ranks.run(2, mismatched, str(path)) == ["CollectiveMismatchError"] * 2
+    other = f"msccl:{path}" if theirs == "msccl" else theirs
+    assert ranks.run(2, mismatched, f"{ours}:{path}", other) == ["CollectiveMismatchError"] * 2
 
 
 def published_run(rank, p, path):
@@ -341,12 +351,13 @@ def published_run(rank, p, path):
             for n in (s.per_rank * 2, s.per_rank * 2 + 5):
                 inp, out = _inputs(family, rank, p, n, dtype)
                 inplace = family == "all_gather" and not s.outofplace
-                ours = _call(family, f"msccl:{path}", inp, out, op, 0, inplace)
                 want = _call(family, "builtin" if family != "all_to_all" else "pairwise", inp, out, op, 0, inplace)
-                exact = not dtype.is_floating_point or op in (None, dist.ReduceOp.MAX)
-                ok = torch.equal(ours, want) if exact else _close(ours, family, rank, p, n, dtype)
-                if not ok:
-                    failures.append(f"rank {rank}: {os.path.basename(path)} {dtype} {op} n={n}: wrong")
+                for executor in EXECUTORS:
+                    ours = _call(family, f"{executor}:{path}", inp, out, op, 0, inplace)
+                    exact = not dtype.is_floating_point or op in (None, dist.ReduceOp.MAX)
+                    ok = torch.equal(ours, want) if exact else _close(ours, family, rank, p, n, dtype)
+                    if not ok:
+                        failures.append(f"rank {rank}: {executor} {os.path.basename(path)} {dtype} {op} n={n}: wrong")
     return failures
 
 

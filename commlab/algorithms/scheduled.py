@@ -1,16 +1,19 @@
 """Schedules as members of their family: `algorithm="msccl:PATH"` loads an MSCCL XML
-file, proves it (commlab.schedule.check) and runs it over point-to-point transfers with
-the family's whole contract — validation, AVG, layouts, the call check, async and
-errors live in the API as for every other algorithm. A rank count other than the
-schedule's, or a collective other than its family's, is refused on every rank alike."""
+file, proves it (commlab.schedule.check) and runs it over point-to-point transfers;
+`msccl-shm:PATH` runs it natively over shared memory (CPU ranks of one host, no Python
+per step). Either has the family's whole contract — validation, AVG, layouts, the call
+check, async and errors live in the API and the transport as for every other
+algorithm. A rank count other than the schedule's, or a collective other than its
+family's, is refused on every rank alike."""
 from __future__ import annotations
 
 import os
 
+from commlab.core.collectives import KIND
 from commlab.core.errors import UnsupportedError
-from commlab.core.reduction import Op
 from commlab.schedule import check, load
-from commlab.schedule.execute import Runner
+from commlab.schedule.execute import NativeRunner, Runner
+from commlab.transports import shm
 
 from .all_gather.base import AllGatherAlgorithm
 from .all_to_all.base import AllToAllAlgorithm
@@ -21,7 +24,8 @@ from .registry import MAKERS
 
 
 class Scheduled:
-    """What a schedule states as a family member; its cost is derived from its steps."""
+    """What a schedule states as a family member; its cost is derived from its steps.
+    This base runs it over point-to-point transfers."""
 
     order = 900
     level = "host"
@@ -29,9 +33,18 @@ class Scheduled:
 
     def __init__(self, name: str, schedule, proof):
         self.name, self.schedule, self.proof = name, schedule, proof
-        self.runner = Runner(schedule, proof)
+        self.runner = self._runner(schedule, proof)
         self.summary = f"schedule {schedule.name or name} ({proof.ranks} ranks, {proof.chunks} chunks per loop)"
         self.formula = f"{proof.hops}α + {proof.sent}/{proof.chunks}·nβ + {proof.reduced}/{proof.chunks}·nγ (derived)"
+
+    def _runner(self, schedule, proof):
+        return Runner(schedule, proof)
+
+    def _via(self, ctx):
+        return ctx.p2p
+
+    def _op(self, op, ctx):
+        return op
 
     def cost(self, p: int, nbytes: float) -> Cost:
         chunk = nbytes / self.proof.chunks
@@ -42,13 +55,39 @@ class Scheduled:
             return f"{self.name} is a schedule for {self.schedule.size} ranks; the group has {info.size}"
         return None
 
+    def _run(self, inp, out, rank, op, ctx, peer=int):
+        self.runner.run(inp, out, rank, self._op(op, ctx), self._via(ctx), peer)
+
+
+class Native(Scheduled):
+    """Mixed in first: the same schedule run by the shared-memory executor, whose records
+    the transport compares itself (AVG recorded as AVG)."""
+
+    level = "shm"
+    devices = ("cpu",)
+
+    def _runner(self, schedule, proof):
+        return NativeRunner(schedule, proof, KIND[schedule.collective])
+
+    def _via(self, ctx):
+        return lambda program: shm.run_schedule(ctx.info, self.name, program)
+
+    def _op(self, op, ctx):
+        return None if op is None else ctx.recorded(op)
+
+    def _refuses(self, info) -> str | None:
+        return super()._refuses(info) or shm.unsupported(info)
+
+    def checks_calls(self, *call) -> bool:
+        return True
+
 
 class AllReduceScheduled(Scheduled, Algorithm):
     def unsupported(self, tensor, op, info):
         return self._refuses(info)
 
     def run(self, buf, op, ctx):
-        self.runner.run(None, buf, ctx.rank, op, ctx.p2p, int)
+        self._run(None, buf, ctx.rank, op, ctx)
 
 
 class AllGatherScheduled(Scheduled, AllGatherAlgorithm):
@@ -57,7 +96,7 @@ class AllGatherScheduled(Scheduled, AllGatherAlgorithm):
 
     def run(self, out, inp, ctx):
         own = out.view(ctx.size, -1)[ctx.rank]
-        self.runner.run(None if own.data_ptr() == inp.data_ptr() else inp, out, ctx.rank, Op.SUM, ctx.p2p, int)
+        self._run(None if own.data_ptr() == inp.data_ptr() else inp, out, ctx.rank, None, ctx)
 
 
 class ReduceScatterScheduled(Scheduled, ReduceScatterAlgorithm):
@@ -65,7 +104,7 @@ class ReduceScatterScheduled(Scheduled, ReduceScatterAlgorithm):
         return self._refuses(info)
 
     def run(self, out, inp, op, ctx):
-        self.runner.run(inp, out, ctx.rank, op, ctx.p2p, int)
+        self._run(inp, out, ctx.rank, op, ctx)
 
 
 class AllToAllScheduled(Scheduled, AllToAllAlgorithm):
@@ -75,7 +114,7 @@ class AllToAllScheduled(Scheduled, AllToAllAlgorithm):
     def run(self, out, inp, counts, ctx):
         if counts.matrix is not None and int(counts.matrix.min()) != int(counts.matrix.max()):
             raise UnsupportedError(f"commlab: {self.name} moves equal blocks; this all_to_all's splits differ")
-        self.runner.run(inp, out, ctx.rank, Op.SUM, ctx.p2p, int)
+        self._run(inp, out, ctx.rank, None, ctx)
 
 
 class BroadcastScheduled(Scheduled, BroadcastAlgorithm):
@@ -85,30 +124,35 @@ class BroadcastScheduled(Scheduled, BroadcastAlgorithm):
     def run(self, buf, root, ctx):
         # The file serves one root; any other is the same schedule with the ranks turned.
         p, turn = ctx.size, self.schedule.root - root
-        self.runner.run(None, buf, (ctx.rank + turn) % p, Op.SUM, ctx.p2p, lambda v: (v - turn) % p)
+        self._run(None, buf, (ctx.rank + turn) % p, None, ctx, lambda v: (v - turn) % p)
 
 
 FAMILY = {"all_reduce": AllReduceScheduled, "all_gather": AllGatherScheduled,
           "reduce_scatter": ReduceScatterScheduled, "all_to_all": AllToAllScheduled,
           "broadcast": BroadcastScheduled}
+NATIVE = {c: type(f"Native{cls.__name__}", (Native, cls), {}) for c, cls in FAMILY.items()}
 
-_made: dict = {}  # (collective, path, mtime) -> the member: a file is read and proved once per process
-
-
-def from_file(registry, path: str):
-    """The member of `registry`'s family for the MSCCL XML file at `path`."""
-    name = f"msccl:{path}"
-    try:
-        stamp = os.stat(path).st_mtime_ns
-    except OSError as e:
-        raise UnsupportedError(f"commlab: {name}: cannot read the schedule ({e.strerror})") from None
-    key = (registry.collective, os.path.abspath(path), stamp)
-    if key not in _made:
-        schedule = load(path)
-        if schedule.collective != registry.collective:
-            raise UnsupportedError(f"commlab: {name} is a {schedule.collective} schedule, not {registry.collective}")
-        _made[key] = FAMILY[schedule.collective](name, schedule, check(schedule, path))
-    return _made[key]
+_made: dict = {}  # (prefix, collective, path, mtime) -> the member: a file is read and proved once per process
 
 
-MAKERS["msccl"] = from_file
+def _maker(prefix: str, classes: dict):
+    def make(registry, path: str):
+        """The member of `registry`'s family for the MSCCL XML file at `path`."""
+        name = f"{prefix}:{path}"
+        try:
+            stamp = os.stat(path).st_mtime_ns
+        except OSError as e:
+            raise UnsupportedError(f"commlab: {name}: cannot read the schedule ({e.strerror})") from None
+        key = (prefix, registry.collective, os.path.abspath(path), stamp)
+        if key not in _made:
+            schedule = load(path)
+            if schedule.collective != registry.collective:
+                raise UnsupportedError(f"commlab: {name} is a {schedule.collective} schedule, not {registry.collective}")
+            _made[key] = classes[schedule.collective](name, schedule, check(schedule, path))
+        return _made[key]
+
+    return make
+
+
+MAKERS["msccl"] = _maker("msccl", FAMILY)
+MAKERS["msccl-shm"] = _maker("msccl-shm", NATIVE)

@@ -325,17 +325,27 @@ class _Sim:
         return None
 
     def run(self) -> Violation | None:
+        # Steps that receive run only when nothing else can: the order is the executors'
+        # (each rank runs its steps in it), and a rank that sends what it can before it
+        # waits keeps its peers busy.
         moved = True
         while moved:
             moved = False
-            for n, (r, b) in enumerate(self.blocks):
-                while self.pc[n] < len(b.steps):
-                    v = self._step(n)
-                    if v is False:
-                        break
-                    if v is not None:
-                        return v
-                    moved = True
+            for receiving in (False, True):
+                for n, (r, b) in enumerate(self.blocks):
+                    while self.pc[n] < len(b.steps):
+                        if not receiving and b.steps[self.pc[n]].kind.receives:
+                            break
+                        v = self._step(n)
+                        if v is False:
+                            break
+                        if v is not None:
+                            return v
+                        moved = True
+                        if receiving:
+                            break
+                if moved:
+                    break
         stuck = [n for n, (r, b) in enumerate(self.blocks) if self.pc[n] < len(b.steps)]
         if stuck:
             return self._stuck(stuck[0])

@@ -19,7 +19,8 @@ import torch
 from commlab.core.reduction import Op, combine_into
 
 from .check import Summary, alias
-from .ir import Schedule
+from .ir import BLOCKED, Schedule
+from .native import compile_schedule
 
 
 @dataclass(frozen=True)
@@ -217,3 +218,78 @@ def _tails(t: torch.Tensor, blocks: int, n: int, per: int, elems: int) -> torch.
 
 def _untail(out: torch.Tensor, staged: torch.Tensor, blocks: int, n: int, per: int, elems: int, tail: int) -> None:
     out.view(blocks, n)[:, per * elems:].copy_(staged.view(blocks, per)[:, :tail])
+
+
+_NONE = torch.empty(0)  # a buffer the schedule does not have
+
+
+@dataclass(frozen=True)
+class _Native:
+    compiled: object
+    rank: int
+    writes_input: bool
+
+
+class NativeRunner(Runner):
+    """The same calls run by the shared-memory executor: `p2p` is then run(program), which
+    hands program(comm) the group's communicator (transports/shm.run_schedule)."""
+
+    def __init__(self, s: Schedule, summary: Summary, kind: int):
+        super().__init__(s, summary)
+        self.kind = kind
+        self._compiled: dict = {}
+        self._capacity = None
+        # One call kind for every rank (the ops of the two kinds need not pair): out of
+        # place where proved, the other kind served by copying, as for an unproved one.
+        canonical = False if False in self.kinds else True
+        self.kinds = {canonical: self.kinds[canonical]}
+
+    def program(self, rank: int, inplace: bool):
+        if inplace not in self._compiled:
+            self._compiled[inplace] = compile_schedule(self.s, self.summary, inplace)
+        compiled = self._compiled[inplace]
+        return _Native(compiled, rank, compiled.writes_input(rank))
+
+    def _execute(self, program, buffers: dict, op: Op, run, peer) -> None:
+        compiled, rank = program.compiled, program.rank
+        s = self.s
+        per = s.per_rank
+        ops = compiled.ops[rank]
+        if peer(0) != 0:  # the ranks turned (broadcast's root): peers as group ranks
+            ops = ops.clone()
+            ops[:, 6] = torch.tensor([peer(int(v)) if v >= 0 else -1 for v in ops[:, 6].tolist()], dtype=torch.long)
+        some = next(iter(buffers.values()))
+        n = some.numel() // self.per_rank_blocks[next(iter(buffers))]
+        elsize = some.element_size()
+        code = -1 if op is None else int(op)
+        total = n * (s.size if s.collective in BLOCKED else 1) * elsize  # the larger buffer: alike on every rank
+
+        def call(tensors: dict, stride: int, cstride: int, passes: list, elems: int):
+            bufs, shape = [], []
+            for name in ("i", "o"):
+                t = tensors.get(name)
+                bufs.append(t.view(-1) if t is not None else _NONE)
+                shape += [per, stride, cstride, 0]
+            s_chunks = s.ranks[rank].s_chunks
+            bufs += [torch.empty(s_chunks * elems, dtype=some.dtype) if s_chunks else _NONE,
+                     torch.empty(compiled.hold * elems, dtype=some.dtype)]
+            shape += [0, 0, 0, 0] * 2
+            flat = [x for pass_ in passes for x in pass_]
+            run(lambda comm: comm.run_schedule(bufs, shape, ops, flat, code, self.kind, total,
+                                               compiled.fingerprint, compiled.ticks))
+
+        whole, tail = divmod(n, per)
+        if n == 0:  # still checked against every peer's call: a call with nothing to move
+            call({"i": torch.empty(1, dtype=some.dtype)}, 1, 1, [], 1)
+            return
+        if self._capacity is None:
+            self._capacity = run(lambda comm: comm.capacity)
+        room = max(1, self._capacity * 2 // max(1, compiled.region * elsize))
+        if whole:  # passes over part of every chunk, each pass's slots fitting the segment
+            call(buffers, n, whole, [(start, min(room, whole - start)) for start in range(0, whole, room)],
+                 min(room, whole))
+        if tail:
+            staged = {k: _tails(v, self.per_rank_blocks[k], n, per, whole) for k, v in buffers.items()}
+            call(staged, per, 1, [(0, 1)], 1)
+            result = "o" if "o" in buffers else "i"
+            _untail(buffers[result], staged[result], self.per_rank_blocks[result], n, per, whole, tail)

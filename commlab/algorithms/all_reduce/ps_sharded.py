@@ -5,6 +5,7 @@ import torch
 
 from commlab.core import chunks
 from commlab.core.reduction import reduce_into
+from commlab.schedule.build import Builder
 
 from ..base import Algorithm, Cost
 
@@ -30,5 +31,22 @@ class ShardedParameterServer(Algorithm):
         del inputs
         ctx.p2p.run([(mine, k) for k in peers], [(parts[k], k) for k in peers])
 
+    def schedule(self, p):
+        b = Builder("all_reduce", p, per_rank=p, name="ps_sharded", inplace=True)
+        for r in range(1, p):  # push: rank 0's share of chunk r starts its owner's fold
+            b.send(0, ("i", r), r, ("s", 0))
+        for r in range(p):  # every owner folds in rank order, as run() does, straight from the messages
+            acc = ("i", 0) if r == 0 else ("s", 0)
+            for k in range(1, p):
+                if k == r:
+                    b.reduce(r, ("i", r), acc)
+                else:
+                    b.send(k, ("i", r), r, acc, fold_with=acc)
+            if r != 0:
+                b.copy(r, acc, ("i", r))
+        for r in range(p):  # pull: every owner's chunk to every rank
+            for k in range(1, p):
+                b.send(r, ("i", r), (r + k) % p, ("i", r))
+        return b.build()
 
 ALGORITHM = ShardedParameterServer()

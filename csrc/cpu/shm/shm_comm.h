@@ -72,6 +72,13 @@ class ShmComm {
   // Even splits along dim 0 (all_to_all_single without split sizes).
   bool try_alltoall(const at::Tensor& out, const at::Tensor& in, int64_t dtype);
   void barrier();
+  // One call of a compiled schedule (commlab/schedule/native.py): bufs i, o, s, h (undefined
+  // where absent), shape their (chunks per block, block stride, chunk stride, offset) in elements, ops an (n, 10) int64
+  // program; kind, total and fingerprint make the call's record.
+  // passes: (offset, elements) pairs, each a run of the ops over part of every chunk.
+  void run_schedule(const std::vector<at::Tensor>& bufs, const std::vector<int64_t>& shape, const at::Tensor& ops,
+                    const std::vector<int64_t>& passes, int64_t op, int64_t kind, int64_t total, int64_t fingerprint,
+                    int64_t ticks);
   // Whether this rank can read every peer's memory in one copy (process_vm_readv: same
   // user, ptrace allowed, one PID namespace); collective use needs every rank's yes.
   bool probe_single_copy();
