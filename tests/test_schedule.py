@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from cases import assert_none_failed
+from cases import assert_drill_named_rank_1, assert_none_failed, halves
 
 import commlab
 from commlab import schedule as S
@@ -367,3 +367,33 @@ def published_run(rank, p, path):
 def test_published_schedules_give_exact_results_at_their_rank_counts(ranks, path):
     p = S.load(path).size
     assert_none_failed(ranks.run(p, published_run, path, timeout=600))
+
+
+def groups_ops_and_async(rank, p, path):
+    """On each half of four ranks (a sub-group of 2), every op of the family, a strided
+    tensor and an async handle: as torch's all_reduce has them."""
+    failures = []
+    with halves(rank) as (group, members):
+        for executor in EXECUTORS:
+            for op, fold in ((dist.ReduceOp.AVG, lambda v: sum(v) / len(v)), (dist.ReduceOp.MIN, min),
+                             (dist.ReduceOp.PRODUCT, lambda v: v[0] * v[1]), (dist.ReduceOp.SUM, sum)):
+                t = torch.full((6, 5), float(rank + 1)).t()  # not contiguous
+                commlab.all_reduce(t, op=op, group=group, algorithm=f"{executor}:{path}", async_op=True).wait()
+                want = fold([float(m + 1) for m in members])
+                if not torch.all(t == want):
+                    failures.append(f"rank {rank} {executor} {op}: {t.flatten()[:3].tolist()} != {want}")
+    return failures
+
+
+def test_schedules_serve_sub_groups_every_op_strided_tensors_and_async_handles(ranks, tmp_path):
+    path = tmp_path / "ring2.xml"
+    S.save(_ring(2), path)
+    assert_none_failed(ranks.run(4, groups_ops_and_async, str(path)))
+
+
+@pytest.mark.parametrize("executor,fault", [("msccl-shm", "sigkill"),
+                                            pytest.param("msccl", "sigint", marks=pytest.mark.slow)])
+def test_a_failed_rank_makes_every_peer_raise_within_two_seconds(tmp_path, executor, fault):
+    path = tmp_path / "ring3.xml"
+    S.save(_ring(3), path)
+    assert_drill_named_rank_1(f"{executor}:{path}", fault, "all_reduce")

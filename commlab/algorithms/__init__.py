@@ -12,11 +12,9 @@ from commlab.core.collectives import COLLECTIVES
 from commlab.core.errors import UnsupportedError
 
 from . import scheduled  # noqa: F401  (makes "msccl:PATH" members of every family)
-from .all_reduce import REGISTRY
+from .all_reduce import REGISTRY, for_device, get, names, register
 from .base import Algorithm, Context, Cost, Traffic
 from .registry import Registry
-
-register, names, get, for_device = REGISTRY.api()
 
 
 def registry(collective: str) -> Registry:
@@ -24,6 +22,7 @@ def registry(collective: str) -> Registry:
     if collective not in COLLECTIVES:
         raise UnsupportedError(f"commlab: unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
     return importlib.import_module(f"{__name__}.{collective}").REGISTRY
+
 
 __all__ = ["Algorithm", "Context", "Cost", "Traffic", "Registry", "REGISTRY", "register", "names", "get",
            "for_device", "COLLECTIVES", "registry"]

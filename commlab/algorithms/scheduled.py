@@ -34,7 +34,11 @@ class Scheduled:
     def __init__(self, name: str, schedule, proof):
         self.name, self.schedule, self.proof = name, schedule, proof
         self.runner = self._runner(schedule, proof)
-        self.summary = f"schedule {schedule.name or name} ({proof.ranks} ranks, {proof.chunks} chunks per loop)"
+        # What serving the call kind the schedule is not proved for costs, said where it is listed.
+        extra = [f"{'in-place' if k else 'out-of-place'} calls: {self.runner.copies(k)}" for k in (True, False)
+                 if k not in self.runner.kinds]
+        self.summary = (f"schedule {schedule.name or name} ({proof.ranks} ranks, {proof.chunks} chunks per loop)"
+                        + "".join(f"; {e}" for e in extra))
         self.formula = f"{proof.hops}α + {proof.sent}/{proof.chunks}·nβ + {proof.reduced}/{proof.chunks}·nγ (derived)"
 
     def _runner(self, schedule, proof):

@@ -66,14 +66,21 @@ class Program:
                                                  for x in range(st.cnt))
                           for n, (b, st) in enumerate(self.steps)]
         self.receives = [(b, st) for b, st in self.steps if st.kind.receives]
+        # A plain receive whose chunks no earlier step of this rank touches lands in place:
+        # posted at the call's start, it may land any time before its step.
+        touched, self.lands_in_place = set(), []
+        for b, st in self.steps:
+            mine = [self.alias(st.dstbuf, st.dstoff + x) for x in range(st.cnt)] if st.kind.writes_dst else []
+            if st.kind.receives:
+                self.lands_in_place.append(st.type == "r" and not touched & set(mine))
+            touched |= set(mine)
+            if st.kind.reads_src:
+                touched |= {self.alias(st.srcbuf, st.srcoff + x) for x in range(st.cnt)}
 
     def run(self, bufs: dict, elems: int, op: Op, p2p, peer) -> None:
         """bufs: 'i', 'o' (as memory: an aliased one absent) and 's' Layouts, chunks of
         `elems` elements; peer(v) the group rank playing schedule rank v."""
         some = next(iter(bufs.values())).tensor
-        landing = [torch.empty(st.cnt * elems, dtype=some.dtype, device=some.device) for _, st in self.receives]
-        posted = p2p.post([], [(t, peer(b.recv), b.chan) for t, (b, _) in zip(landing, self.receives)])
-        sends, got_n = [], 0
 
         def chunks(buf, off, cnt):
             out = []
@@ -87,6 +94,14 @@ class Program:
             if cnt > 1 and self.alias(buf, off + cnt - 1) != (b, k + cnt - 1):
                 return None
             return bufs[b].view(k, cnt)
+
+        landing = []
+        for (b, st), direct in zip(self.receives, self.lands_in_place):
+            view = whole(st.dstbuf, st.dstoff, st.cnt) if direct else None
+            landing.append(view if view is not None else
+                           torch.empty(st.cnt * elems, dtype=some.dtype, device=some.device))
+        posted = p2p.post([], [(t, peer(b.recv), b.chan) for t, (b, _) in zip(landing, self.receives)])
+        sends, got_n = [], 0
 
         for n, (b, st) in enumerate(self.steps):
             kind = st.kind
@@ -102,10 +117,14 @@ class Program:
                 for d, x in zip(chunks(st.dstbuf, st.dstoff, st.cnt), src):
                     combine_into(d, x, d, op)  # the runtime's order: src (op) dst
                 continue
-            if kind.reduces:
+            if kind.reduces:  # received (op) local, as the runtime folds
+                if not kind.sends:  # rrc: straight into dst
+                    for x, (mine, d) in enumerate(zip(src, chunks(st.dstbuf, st.dstoff, st.cnt))):
+                        combine_into(d, got[x * elems:(x + 1) * elems], mine, op)
+                    continue
                 for x, mine in enumerate(src):
                     part = got[x * elems:(x + 1) * elems]
-                    combine_into(part, part, mine, op)  # received (op) local, as the runtime folds
+                    combine_into(part, part, mine, op)
             if kind.writes_dst:
                 value = got if got is not None else None
                 for x, d in enumerate(chunks(st.dstbuf, st.dstoff, st.cnt)):

@@ -205,7 +205,7 @@ def _ddp_all_reduces(modes: list[str]) -> list[str]:
     """The all-reduce algorithms the DDP-bucketed modes call (zero1: DDP's own)."""
     cpu = algorithms.for_device("cpu")
     parsed = [Mode.parse(m) for m in modes]
-    names = [m.all_reduce for m in parsed if not m.backend and (m.all_reduce == "builtin" or m.all_reduce in cpu)]
+    names = [m.all_reduce for m in parsed if not m.backend and m.all_reduce in cpu]  # builtin is a CPU algorithm
     return list(dict.fromkeys(names))
 
 
