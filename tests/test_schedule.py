@@ -51,6 +51,18 @@ def test_every_exported_builtin_is_proved_and_priced_as_its_formula(collective, 
         assert S.dumps(S.loads(text)) == text  # a file commlab writes reads back to the same bytes
 
 
+@pytest.mark.parametrize("hosts,per_host", [(1, 4), (2, 2), (2, 4), (4, 2)])
+def test_an_exported_ring_priced_per_level_is_the_hand_written_ring(tmp_path, hosts, per_host):
+    from commlab.measure.twolevel import TwoLevel
+
+    path = tmp_path / "ring.xml"
+    S.save(_ring(hosts * per_host), path)
+    model = TwoLevel({"shm": 1e-5, "host": 1e-4, "link": 1e-3}, {"ring@host": 50.0, "ring@link": 120.0}, 3e-5)
+    for n in (1 << 20, 1 << 26):
+        want = model.predict_us("ring", hosts, per_host, n, 1.5)
+        assert model.predict_us(f"msccl:{path}", hosts, per_host, n, 1.5) == pytest.approx(want), (n, want)
+
+
 def test_a_file_round_trips_through_save_and_load(tmp_path):
     s = registry("all_gather").get("ring").schedule(3)
     s.extra["redop"] = "nop"  # an attribute MSCCL ignores is kept

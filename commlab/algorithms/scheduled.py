@@ -13,11 +13,12 @@ from commlab.core.collectives import KIND
 from commlab.core.errors import UnsupportedError
 from commlab.schedule import check, load
 from commlab.schedule.execute import NativeRunner, Runner
+from commlab.schedule.price import levels
 from commlab.transports import shm
 
 from .all_gather.base import AllGatherAlgorithm
 from .all_to_all.base import AllToAllAlgorithm
-from .base import Algorithm, Cost
+from .base import Algorithm, Cost, Stage
 from .broadcast.base import BroadcastAlgorithm
 from .reduce_scatter.base import ReduceScatterAlgorithm
 from .registry import MAKERS
@@ -29,6 +30,7 @@ class Scheduled:
 
     order = 900
     level = "host"
+    by = "ring"  # what a step costs in the two-level model: commlab's point-to-point steps, as ring's
     wins_when = "a schedule written or synthesized for this topology"
 
     def __init__(self, name: str, schedule, proof):
@@ -54,6 +56,17 @@ class Scheduled:
         chunk = nbytes / self.proof.chunks
         return Cost(self.proof.hops, self.proof.sent * chunk, self.proof.reduced * chunk)
 
+    def stages(self, hosts: int, per_host: int, nbytes: float) -> list[Stage] | None:
+        """Priced from the steps (commlab.schedule.price), ranks host by host."""
+        if hosts * per_host != self.schedule.size or hosts > 1 and self.level == "shm":
+            return None
+        lv = levels(self.schedule, self.proof, per_host)
+        chunk = nbytes / self.proof.chunks
+        out = [Stage(self.level, lv.steps_host, lv.host_chunks * chunk, lv.reduced * chunk, self.by)]
+        if hosts > 1:
+            out.append(Stage("link", lv.steps_link, lv.link_chunks * chunk, 0.0, self.by, lv.rank_link_chunks * chunk))
+        return out
+
     def _refuses(self, info) -> str | None:
         if info.size != self.schedule.size:
             return f"{self.name} is a schedule for {self.schedule.size} ranks; the group has {info.size}"
@@ -68,6 +81,7 @@ class Native(Scheduled):
     the transport compares itself (AVG recorded as AVG)."""
 
     level = "shm"
+    by = "shm"
     devices = ("cpu",)
 
     def _runner(self, schedule, proof):
