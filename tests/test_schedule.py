@@ -409,3 +409,25 @@ def test_a_failed_rank_makes_every_peer_raise_within_two_seconds(tmp_path, execu
     path = tmp_path / "ring3.xml"
     S.save(_ring(3), path)
     assert_drill_named_rank_1(f"{executor}:{path}", fault, "all_reduce")
+
+
+def registered(rank, p, path):
+    from commlab.algorithms import names, scheduled
+
+    if "my_ring" not in names():
+        scheduled.register(path, "my_ring")
+    t = torch.full((10,), float(rank + 1))
+    commlab.all_reduce(t, algorithm="my_ring")
+    return "my_ring" in names(), t.tolist()
+
+
+def test_a_schedule_registered_by_name_is_an_algorithm_like_any_other(tmp_path):
+    from commlab.measure.pools import RankPool
+
+    path = tmp_path / "ring2.xml"
+    S.save(_ring(2), path)
+    pool = RankPool(2)  # its own ranks: the name stays registered in them
+    try:
+        assert pool.run(registered, str(path)) == [(True, [3.0] * 10)] * 2
+    finally:
+        pool.close()

@@ -16,6 +16,7 @@ from commlab.schedule.execute import NativeRunner, Runner
 from commlab.schedule.price import levels
 from commlab.transports import shm
 
+from . import all_gather, all_reduce, all_to_all, broadcast, reduce_scatter
 from .all_gather.base import AllGatherAlgorithm
 from .all_to_all.base import AllToAllAlgorithm
 from .base import Algorithm, Cost, Stage
@@ -145,6 +146,7 @@ class BroadcastScheduled(Scheduled, BroadcastAlgorithm):
         self._run(None, buf, (ctx.rank + turn) % p, None, ctx, lambda v: (v - turn) % p)
 
 
+REGISTRIES = {m.REGISTRY.collective: m.REGISTRY for m in (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast)}
 FAMILY = {"all_reduce": AllReduceScheduled, "all_gather": AllGatherScheduled,
           "reduce_scatter": ReduceScatterScheduled, "all_to_all": AllToAllScheduled,
           "broadcast": BroadcastScheduled}
@@ -174,3 +176,13 @@ def _maker(prefix: str, classes: dict):
 
 MAKERS["msccl"] = _maker("msccl", FAMILY)
 MAKERS["msccl-shm"] = _maker("msccl-shm", NATIVE)
+
+
+def register(path: str, name: str, native: bool = False):
+    """The schedule at `path` registered in its family under `name`, as any algorithm:
+    listed by names(), run by the sweeps, the bench's `--algorithms all`, doctor and the
+    backend's settings. Every rank registers it alike (a name one rank lacks is a
+    mismatch). Returns the member."""
+    schedule = load(path)
+    member = (NATIVE if native else FAMILY)[schedule.collective](name, schedule, check(schedule, path))
+    return REGISTRIES[schedule.collective].register(member)
