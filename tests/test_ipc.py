@@ -189,6 +189,22 @@ def test_p2p_mismatched_calls_fail_on_every_rank():
         assert "1000 elements" in str(errors[0]) and "999 elements" in str(errors[0])
 
 
+@pytest.mark.gpu
+@needs_kernels
+def test_p2p_an_empty_call_against_a_non_empty_one_fails_on_every_rank_at_once():
+    """An empty tensor's call takes part in the kernels' record check (it returned at
+    once, and its peer waited for the deadline, blaming a missing rank)."""
+    import time
+
+    with local_group(2) as comms:
+        tensors = [torch.ones(0, device="cuda"), torch.ones(4096, device="cuda")]
+        t0 = time.monotonic()
+        errors = run_concurrently(comms, tensors, 0, 1)
+        assert all(isinstance(e, RuntimeError) and "mismatch" in str(e) for e in errors), errors
+        assert time.monotonic() - t0 < 2.0
+        assert "0 elements" in str(errors[0]) and "4096 elements" in str(errors[0])
+
+
 def staged_sweep(rank, p):
     torch.cuda.set_device(0)
     out = []

@@ -139,7 +139,7 @@ void IpcComm::allreduce(const at::Tensor& t, int64_t op, int64_t mode) {
   TORCH_CHECK(mode >= 0 && mode <= 2, "commlab ipc: mode must be an IpcMode (0 auto, 1 one-shot, 2 two-shot)");
   const auto imode = static_cast<IpcMode>(mode);
   const int64_t numel = t.numel();
-  if (numel == 0 || world_ == 1) return;
+  if (world_ == 1) return;
   const int64_t elsize = t.element_size();
   const int64_t chunk = capacity_ / elsize;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
@@ -153,7 +153,9 @@ void IpcComm::allreduce(const at::Tensor& t, int64_t op, int64_t mode) {
   launch.timeout_ns = static_cast<uint64_t>(timeout_ms_) * 1000000ull;
   launch.err = static_cast<IpcError*>(error_dev_);
   char* base = static_cast<char*>(t.data_ptr());
-  for (int64_t off = 0; off < numel; off += chunk) {
+  // An empty call still runs one kernel of no elements: its start barrier compares the
+  // call's record with every peer's, so a peer with data meets a mismatch, not a deadline.
+  for (int64_t off = 0; off < numel || (numel == 0 && off == 0); off += chunk) {
     const int64_t n = std::min(chunk, numel - off);
     const uint64_t seq = ++seq_;
     const int64_t data_offset = kSignalBytes + static_cast<int64_t>(seq & 1) * capacity_;
