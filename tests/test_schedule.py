@@ -431,3 +431,18 @@ def test_a_schedule_registered_by_name_is_an_algorithm_like_any_other(tmp_path):
         assert pool.run(registered, str(path)) == [(True, [3.0] * 10)] * 2
     finally:
         pool.close()
+
+
+def test_the_cost_model_fits_a_schedules_rows_through_its_own_terms(tmp_path):
+    from commlab.measure import costmodel
+
+    path = tmp_path / "ring4.xml"
+    S.save(_ring(4), path)
+    name = f"msccl:{path}"
+    alpha, beta = 300.0, 1e-3  # µs, µs per byte: times made from the schedule's own terms
+    cost = registry("all_reduce").get(name).cost
+    points = [(name, 4, n, alpha * cost(4, n).steps + beta * cost(4, n).bytes_sent) for n in (1 << 16, 1 << 20, 1 << 24)]
+    points.append(("mpi:mpich", 4, 1 << 20, 900.0))  # an anchor: no formula, left out
+    fits = costmodel.fit(points, gamma_us_per_byte=0.0)
+    assert set(fits) == {name}
+    assert fits[name].alpha_us == pytest.approx(alpha, rel=1e-3)

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from commlab import algorithms
+from commlab.core.errors import UnsupportedError
 from commlab.measure.twolevel import (
     TwoLevel,
     fit_levels,
@@ -66,6 +67,16 @@ class Fit:
         return 1e-3 / self.beta_us_per_byte if self.beta_us_per_byte > 0 else math.inf
 
 
+def _priced(family, alg: str) -> bool:
+    """Whether the family prices `alg`: a registered algorithm, or a schedule its
+    registry makes from the name (`msccl:PATH`, costed from its own steps)."""
+    try:
+        family.get(alg)
+    except UnsupportedError:
+        return False
+    return True
+
+
 def _features(alg: str, p: int, nbytes: float, collective: str = "all_reduce") -> np.ndarray:
     c = algorithms.registry(collective).get(alg).cost(p, nbytes)
     return np.array([c.steps, c.bytes_sent, c.bytes_reduced], dtype=np.float64)
@@ -100,7 +111,8 @@ def fit(points: list[tuple[str, int, float, float]], gamma_us_per_byte: float | 
     skipped. With gamma given, only α and β are fitted, to the time left after the
     reductions."""
     by_alg: dict[str, list[tuple[int, float, float]]] = {}
-    known = set(algorithms.registry(collective).names())
+    family = algorithms.registry(collective)
+    known = {alg for alg, *_ in points if _priced(family, alg)}
     for alg, p, nbytes, t in points:
         if alg in known and t > 0 and nbytes > 0:
             by_alg.setdefault(alg, []).append((p, nbytes, t))
