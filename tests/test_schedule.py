@@ -446,3 +446,12 @@ def test_the_cost_model_fits_a_schedules_rows_through_its_own_terms(tmp_path):
     fits = costmodel.fit(points, gamma_us_per_byte=0.0)
     assert set(fits) == {name}
     assert fits[name].alpha_us == pytest.approx(alpha, rel=1e-3)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_schedule_reduces_ddps_buckets_as_ddps_own_allreduce(ranks, tmp_path, executor):
+    from test_hooks import _check, parity
+
+    path = tmp_path / "ring3.xml"
+    S.save(_ring(3), path)
+    _check(ranks.run(3, parity, f"{executor}:{path}", "plain"), tol=1e-5)
