@@ -38,6 +38,14 @@ needs_published = pytest.mark.skipif(not published(), reason="set COMMLAB_MSCCL_
 # ---- the format and the proof, no ranks -------------------------------------------------
 
 @pytest.mark.parametrize("collective,algorithm", exported())
+def test_every_export_unfused_is_proved_and_plain(collective, algorithm):
+    for p in (2, 3, 5):
+        s = S.unfused(registry(collective).get(algorithm).schedule(p))
+        S.check(s)
+        assert not {st.type for *_, st in s.steps()} & {"rcs", "rrs", "rrc", "rrcs"}
+
+
+@pytest.mark.parametrize("collective,algorithm", exported())
 def test_every_exported_builtin_is_proved_and_priced_as_its_formula(collective, algorithm):
     alg = registry(collective).get(algorithm)
     for p in (2, 3, 4, 5, 8):
@@ -215,6 +223,7 @@ def test_published_schedules_load_and_pass_the_checker(path):
     s = S.load(path)
     summary = S.check(s, path)
     assert summary.ranks == s.size and summary.steps > 0
+    S.check(S.unfused(s), path)  # and without fused steps, as RCCL's build would need them
 
 
 # ---- running them on CPU ranks ----------------------------------------------------------
@@ -304,6 +313,9 @@ def test_exported_schedules_run_with_the_builtins_bits(ranks, world_size, tmp_pa
         path = tmp_path / f"{family}-{name}.xml"
         S.save(registry(family).get(name).schedule(world_size), path)
         cases.append((family, name, str(path)))
+    plain = tmp_path / "ring-unfused.xml"  # receives into scratch, then re: the same bits
+    S.save(S.unfused(_ring(world_size)), plain)
+    cases.append(("all_reduce", "ring", str(plain)))
     assert_none_failed(ranks.run(world_size, against_the_builtins, cases, timeout=300))
 
 

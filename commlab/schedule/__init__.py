@@ -7,7 +7,8 @@ from their own steps, run on CPU ranks, and read and written as MSCCL's XML.
 """
 from .check import ScheduleError, Summary, Violation, check, violations
 from .ir import KINDS, Block, Rank, Schedule, Step
+from .lower import unfused
 from .msccl import ScheduleFormatError, dumps, load, loads, save
 
 __all__ = ["Schedule", "Rank", "Block", "Step", "KINDS", "load", "loads", "save", "dumps", "check",
-           "violations", "Violation", "Summary", "ScheduleError", "ScheduleFormatError"]
+           "violations", "Violation", "Summary", "ScheduleError", "ScheduleFormatError", "unfused"]

@@ -4,7 +4,8 @@ check: prove an MSCCL XML schedule before it runs; exit 0 valid, 1 a violation (
 rank, threadblock and step), 2 not a schedule commlab can read. With --bytes, price it:
 its derived α-β-γ terms at that size, under the cost model's default constants unless
 given (--alpha-us, --gbps, --gamma-gbps).
-export: write one of commlab's algorithms as MSCCL XML (those that are fixed schedules)."""
+export: write one of commlab's algorithms as MSCCL XML (those that are fixed schedules);
+--unfused for runtimes without MSCCL's fused steps (RCCL's build)."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +15,7 @@ from commlab.algorithms import registry
 from commlab.core.errors import UnsupportedError
 
 from .check import ScheduleError, check
+from .lower import unfused
 from .msccl import ScheduleFormatError, load, save
 
 
@@ -58,6 +60,8 @@ def _export(args) -> int:
         print(f"{args.collective} {args.algorithm!r} is no fixed schedule (its steps depend on the size)",
               file=sys.stderr)
         return 2
+    if args.unfused:
+        s = unfused(s)
     check(s)
     save(s, args.output)
     print(f"wrote {args.output}: {args.collective} {args.algorithm} on {args.ranks} ranks")
@@ -79,6 +83,8 @@ def main(argv=None) -> int:
     e.add_argument("--collective", default="all_reduce")
     e.add_argument("--ranks", type=int, required=True)
     e.add_argument("-o", "--output", required=True)
+    e.add_argument("--unfused", action="store_true",
+                   help="no fused steps (rcs, rrs, rrc, rrcs): what RCCL's build runs (receives land in scratch)")
     e.set_defaults(run=_export)
     args = ap.parse_args(argv)
     return args.run(args)
