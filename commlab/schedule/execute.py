@@ -126,9 +126,8 @@ class Program:
                     part = got[x * elems:(x + 1) * elems]
                     combine_into(part, part, mine, op)
             if kind.writes_dst:
-                value = got if got is not None else None
                 for x, d in enumerate(chunks(st.dstbuf, st.dstoff, st.cnt)):
-                    piece = value[x * elems:(x + 1) * elems] if value is not None else src[x]
+                    piece = got[x * elems:(x + 1) * elems] if got is not None else src[x]
                     if piece.data_ptr() != d.data_ptr():
                         d.copy_(piece)
             if kind.sends:
