@@ -2,7 +2,8 @@
 named by rank, threadblock and step.
 
 Two passes. The rules of the format (peers, channels, offsets and counts inside their
-buffers, dependencies that point at a step that publishes) are read off the schedule.
+buffers, dependencies that point at a step that publishes) are read off the schedule
+(rules.py).
 Then it runs symbolically, once per call kind it declares (in place, out of place):
 each chunk holds the multiset of (rank, input chunk) contributions folded into it; a
 receive waits for its channel's next message, a step for its dependency. The waits are
@@ -22,28 +23,10 @@ import numpy as np
 
 from commlab.core.errors import CommlabError
 
-from .ir import BLOCKED, Schedule, Step
+from .ir import Schedule
+from .rules import Violation, alias, buffer_sizes, rules
 
 UNDEF = None  # a chunk never written: scratch and output start so, and the runtime never zeroes them
-
-
-@dataclass(frozen=True)
-class Violation:
-    text: str
-    rank: int | None = None
-    block: int | None = None
-    step: int | None = None
-    type: str = ""
-
-    def __str__(self) -> str:
-        where = []
-        if self.rank is not None:
-            where.append(f"rank {self.rank}")
-        if self.block is not None:
-            where.append(f"threadblock {self.block}")
-        if self.step is not None:
-            where.append(f"step {self.step}" + (f" ({self.type})" if self.type else ""))
-        return (", ".join(where) + ": " if where else "") + self.text
 
 
 class ScheduleError(CommlabError, ValueError):
@@ -79,99 +62,6 @@ class Summary:
         ]
 
 
-def _buffer_sizes(s: Schedule, rank, inplace: bool) -> dict:
-    """Chunks of each buffer as the caller's call gives them (not as the file declares)."""
-    c, cf = s.chunks, s.per_rank
-    i, o = {"all_gather": (cf, c), "reduce_scatter": (c, cf)}.get(s.collective, (c, c))
-    return {"i": i, "o": o, "s": rank.s_chunks}
-
-
-def alias(s: Schedule, r: int, inplace: bool):
-    """(buf, k) as written -> (buf, k) in memory: in place, MSCCL's input and output are
-    one buffer (all-gather's input is the rank's block of the output, reduce-scatter's
-    output its block of the input)."""
-    cf = s.per_rank
-    if not inplace:
-        return lambda b, k: (b, k)
-    if s.collective == "all_gather":
-        return lambda b, k: ("o", r * cf + k) if b == "i" else (b, k)
-    if s.collective == "reduce_scatter":
-        return lambda b, k: ("i", r * cf + k) if b == "o" else (b, k)
-    return lambda b, k: ("i", k) if b == "o" else (b, k)
-
-
-def _rules(s: Schedule):
-    """The format's rules, read off the schedule: the first violation, or None."""
-    p = s.size
-    if p < 1 or s.chunks < 1 or s.channels < 1:
-        return Violation(f"ranks {p}, chunks {s.chunks}, channels {s.channels}: each must be at least 1")
-    if s.collective in BLOCKED and s.chunks % p:
-        return Violation(f"{s.collective} needs chunks per loop ({s.chunks}) to be a multiple of the ranks ({p})")
-    if not s.modes():
-        return Violation("neither inplace nor outofplace: the schedule serves no call")
-    if s.collective == "broadcast" and not 0 <= s.root < p:
-        return Violation(f"root {s.root} is not a rank of {p}")
-    for rank in s.ranks:
-        ids = sorted(b.id for b in rank.blocks)
-        if ids != list(range(len(ids))):
-            return Violation(f"threadblock ids {ids} are not 0..{len(ids) - 1} (MSCCL requires them contiguous)", rank.id)
-        if min(rank.i_chunks, rank.o_chunks, rank.s_chunks) < 0:
-            return Violation("a buffer of negative size", rank.id)
-        ends = {}
-        for b in rank.blocks:
-            for peer, role in ((b.send, "send"), (b.recv, "recv")):
-                if peer != -1 and not 0 <= peer < p or peer == rank.id:
-                    return Violation(f"{role} peer {peer} is not another rank of {p}", rank.id, b.id)
-                if peer >= 0:
-                    other = ends.setdefault((role, peer, b.chan), b.id)
-                    if other != b.id:
-                        return Violation(f"threadblocks {other} and {b.id} both {role} rank {peer} on channel {b.chan}"
-                                         " (one connection, one threadblock)", rank.id, b.id)
-            if not 0 <= b.chan < s.channels:
-                return Violation(f"channel {b.chan} outside 0..{s.channels - 1}", rank.id, b.id)
-            blocks = {x.id: x for x in rank.blocks}
-            for k, st in enumerate(b.steps):
-                v = _step_rule(s, rank, b, k, st, blocks)
-                if v is not None:
-                    return v
-    return None
-
-
-def _step_rule(s, rank, b, k, st: Step, blocks):
-    at = dict(rank=rank.id, block=b.id, step=k, type=st.type)
-    kind = st.kind
-    if st.cnt < 0:
-        return Violation(f"cnt {st.cnt} is negative", **at)
-    if kind.sends and b.send < 0:
-        return Violation("sends, but its threadblock has no send peer", **at)
-    if kind.receives and b.recv < 0:
-        return Violation("receives, but its threadblock has no receive peer", **at)
-    for inplace in s.modes():
-        sizes = _buffer_sizes(s, rank, inplace)  # an aliased buffer as written spans the caller's: the same sizes
-        for side, used in (("src", kind.reads_src), ("dst", kind.writes_dst or kind.reads_dst)):
-            if not used:
-                continue
-            buf, off = getattr(st, side + "buf"), getattr(st, side + "off")
-            if off < 0 or off + st.cnt > sizes[buf]:
-                return Violation(f"{side} {buf}[{off}:{off + st.cnt}] outside its buffer of {sizes[buf]} chunks"
-                                 f" ({'in place' if inplace else 'out of place'})", **at)
-    if st.depid != -1:
-        dep = blocks.get(st.depid)
-        if dep is None or st.depid == b.id:
-            return Violation(f"depends on threadblock {st.depid}, not another block of this rank", **at)
-        if not 0 <= st.deps < len(dep.steps):
-            return Violation(f"depends on step {st.deps} of threadblock {st.depid}, which has {len(dep.steps)}", **at)
-        if not dep.steps[st.deps].hasdep:
-            return Violation(f"depends on threadblock {st.depid} step {st.deps}, which does not publish (hasdep=0):"
-                             " the wait would outlast it", **at)
-        if st.type == "nop":  # rccl attaches a chain of nops' dependencies to the next real step
-            nxt = next((x for x in b.steps[k + 1:] if x.type != "nop"), None)
-            if nxt is not None and nxt.depid < 0:
-                return Violation("its dependency attaches to the next real step, which has none of its own"
-                                 " (rccl refuses such a chain)", **at)
-    return None
-
-
 def expected(s: Schedule, r: int, k: int) -> tuple:
     """What output chunk k of rank r must hold: its (rank, input chunk) contributions."""
     p, cf = s.size, s.per_rank
@@ -200,7 +90,7 @@ class _Sim:
         self.alias = [alias(s, r.id, inplace) for r in s.ranks]
         self.mem = []
         for r in s.ranks:
-            sizes = _buffer_sizes(s, r, inplace)
+            sizes = buffer_sizes(s, r, inplace)
             bufs = {b: [_initial(s, r.id, b, k) for k in range(n)] for b, n in sizes.items()}
             if inplace:  # the aliased-away buffer does not exist; the caller's data is where the alias puts it
                 gone = "o" if s.collective != "all_gather" else "i"
@@ -397,7 +287,7 @@ class _Sim:
     def _postcondition(self) -> Violation | None:
         s = self.s
         for r in s.ranks:
-            sizes = _buffer_sizes(s, r, self.inplace)
+            sizes = buffer_sizes(s, r, self.inplace)
             for k in range(sizes["o"]):
                 key = self.alias[r.id]("o", k)
                 got = self.mem[r.id][key[0]][key[1]]
@@ -453,7 +343,7 @@ def violations(s: Schedule) -> Violation | None:
 
 
 def _verify(s: Schedule):
-    v = _rules(s)
+    v = rules(s)
     if v is not None:
         return v, None
     orders = {}

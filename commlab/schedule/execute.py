@@ -18,9 +18,10 @@ import torch
 
 from commlab.core.reduction import Op, combine_into
 
-from .check import Summary, alias
+from .check import Summary
 from .ir import BLOCKED, Schedule
 from .native import compile_schedule
+from .rules import alias
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .check import Summary, alias
+from .check import Summary
 from .ir import Schedule
 from .msccl import dumps
+from .rules import alias
 
 SEND, RECV, RECV_REDUCE, COPY, REDUCE = range(5)
 BUF = {"i": 0, "o": 1, "s": 2, "h": 3}
