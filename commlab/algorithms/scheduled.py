@@ -61,7 +61,7 @@ class Scheduled:
         """Priced from the steps (commlab.schedule.price), ranks host by host."""
         if hosts * per_host != self.schedule.size or hosts > 1 and self.level == "shm":
             return None
-        lv = levels(self.schedule, self.proof, per_host)
+        lv = levels(self.schedule, next(o for _, o in self.proof.order), per_host)
         chunk = nbytes / self.proof.chunks
         out = [Stage(self.level, lv.steps_host, lv.host_chunks * chunk, lv.reduced * chunk, self.by)]
         if hosts > 1:

@@ -15,7 +15,7 @@ several waits become the nops MSCCL chains them with), so what is written in pro
 order stays ordered on a GPU, where blocks run concurrently."""
 from __future__ import annotations
 
-from .ir import BLOCKED, Block, Rank, Schedule, Step
+from .ir import BLOCKED, Block, Rank, Schedule, Step, buffer_chunks
 
 
 class Builder:
@@ -103,8 +103,7 @@ class Builder:
 
     def build(self) -> Schedule:
         c = self.collective
-        i, o = {"all_gather": (self.per_rank, self.chunks), "reduce_scatter": (self.chunks, self.per_rank)}.get(
-            c, (self.chunks, self.chunks))
+        i, o = buffer_chunks(c, self.chunks, self.p)
         if self.inplace:  # as MSCCL's in-place files: the aliased-away buffer has no chunks
             i, o = (0, o) if c == "all_gather" else (i, 0)
         for r, rank in enumerate(self.ranks):

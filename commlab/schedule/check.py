@@ -24,6 +24,7 @@ import numpy as np
 from commlab.core.errors import CommlabError
 
 from .ir import Schedule
+from .price import levels
 from .rules import Violation, alias, buffer_sizes, rules
 
 UNDEF = None  # a chunk never written: scratch and output start so, and the runtime never zeroes them
@@ -108,10 +109,6 @@ class _Sim:
         self.access = {}  # (rank, buf, k) -> [last write, reads since]
         self.writer = {}  # (rank, buf, k) -> (block, step) that last wrote it
         self.order = []
-        # The α count of the critical path: a send takes one α of its rank's own (a rank's
-        # sends go one after another), a receive ends no earlier than its send.
-        self.time = [0] * len(self.blocks)
-        self.nic = [0] * s.size
         self.first_undef = None
         self.sent = Counter()
         self.sends = Counter()
@@ -164,11 +161,9 @@ class _Sim:
         clock[n] += 1
         if st.depid >= 0:
             pub = self.published[self.comp[(r.id, st.depid)]]
-            np.maximum(clock, pub[1][st.deps][0], out=clock)
-            self.time[n] = max(self.time[n], pub[1][st.deps][1])
+            np.maximum(clock, pub[1][st.deps], out=clock)
         if msg is not None:
             np.maximum(clock, msg[3], out=clock)
-            self.time[n] = max(self.time[n], msg[4])
         mem = self.mem[r.id]
         src = self._chunks(r.id, st.srcbuf, st.srcoff, st.cnt) if kind.reads_src else []
         dst = self._chunks(r.id, st.dstbuf, st.dstoff, st.cnt) if kind.writes_dst or kind.reads_dst else []
@@ -202,14 +197,13 @@ class _Sim:
                 mem[key[0]][key[1]] = x
                 self.writer[(r.id,) + key] = at
         if kind.sends:
-            self.time[n] = self.nic[r.id] = max(self.time[n], self.nic[r.id]) + 1
-            self.fifo.setdefault((r.id, b.send, b.chan), deque()).append((st.cnt, value, at, clock.copy(), self.time[n]))
+            self.fifo.setdefault((r.id, b.send, b.chan), deque()).append((st.cnt, value, at, clock.copy()))
             self.sent[r.id] += st.cnt
             self.sends[r.id] += 1
         if st.hasdep:
             pub = self.published.setdefault(n, [-1, {}])
             pub[0] = k
-            pub[1][k] = (clock.copy(), self.time[n])
+            pub[1][k] = clock.copy()
         self.order.append((r.id, b.id, k))
         self.pc[n] += 1
         return None
@@ -366,7 +360,7 @@ def _verify(s: Schedule):
         modes=tuple("in place" if m else "out of place" for m in s.modes()), channels=s.channels,
         blocks=max(len(r.blocks) for r in s.ranks), steps=steps,
         sent=max(sim.sent.values(), default=0), reduced=max(sim.reduced.values(), default=0),
-        messages=max(sim.sends.values(), default=0), hops=max(sim.time, default=0),
+        messages=max(sim.sends.values(), default=0), hops=levels(s, orders[s.modes()[0]], s.size).steps_host,
         order=tuple(orders.items()),
     )
     return None, summary

@@ -42,9 +42,6 @@ class Layout:
         start = j * self.stride + c * self.elems
         return self.tensor[start:start + cnt * self.elems]
 
-    def pieces(self, k: int, cnt: int) -> list[torch.Tensor]:
-        return [self.view(k + x) for x in range(cnt)]
-
 
 class Program:
     """One rank's steps of a schedule, for one call kind, in the checker's order."""
@@ -159,11 +156,14 @@ class Runner:
         self.per_rank_blocks = {"i": s.size if c in ("reduce_scatter", "all_to_all") else 1,
                                 "o": s.size if c in ("all_gather", "all_to_all") else 1}
 
-    def program(self, rank: int, inplace: bool) -> Program:
+    def program(self, rank: int, inplace: bool):
         key = (rank, inplace)
         if key not in self._programs:
-            self._programs[key] = Program(self.s, self.summary, rank, inplace)
+            self._programs[key] = self._build(rank, inplace)
         return self._programs[key]
+
+    def _build(self, rank: int, inplace: bool):
+        return Program(self.s, self.summary, rank, inplace)
 
     def copies(self, inplace: bool) -> str:
         """What serving this call kind costs beyond the schedule's own steps."""
@@ -263,7 +263,7 @@ class NativeRunner(Runner):
         canonical = False if False in self.kinds else True
         self.kinds = {canonical: self.kinds[canonical]}
 
-    def program(self, rank: int, inplace: bool):
+    def _build(self, rank: int, inplace: bool):
         if inplace not in self._compiled:
             self._compiled[inplace] = compile_schedule(self.s, self.summary, inplace)
         compiled = self._compiled[inplace]

@@ -132,3 +132,10 @@ class Schedule:
 
 # Families whose larger buffer is p blocks, one per rank.
 BLOCKED = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
+
+
+def buffer_chunks(collective: str, chunks: int, ranks: int) -> tuple[int, int]:
+    """(input, output) chunks as the caller's out-of-place call gives them: all-gather's
+    input and reduce-scatter's output are one rank's block."""
+    one = chunks // ranks if collective in BLOCKED else chunks
+    return {"all_gather": (one, chunks), "reduce_scatter": (chunks, one)}.get(collective, (chunks, chunks))

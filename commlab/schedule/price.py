@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from .check import Summary
 from .ir import Schedule
 
 
@@ -30,9 +29,10 @@ class Levels:
     reduced: int  # the busiest rank's chunks reduced
 
 
-def levels(s: Schedule, summary: Summary, per_host: int) -> Levels:
-    """Counts for ranks placed `per_host` to a host, in order."""
-    order = next(o for _, o in summary.order)
+def levels(s: Schedule, order, per_host: int) -> Levels:
+    """Counts for ranks placed `per_host` to a host, in order; `order`: one valid order
+    of every (rank, block, step), the checker's. On one host, steps_host is the checker's
+    critical path (Summary.hops)."""
     host = [r // per_host for r in range(s.size)]
     blocks = [{b.id: b for b in r.blocks} for r in s.ranks]
     # (total, link steps, host steps, link chunks, host chunks) of the longest path to here:

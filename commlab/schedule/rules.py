@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ir import BLOCKED, Schedule, Step
+from .ir import BLOCKED, Schedule, Step, buffer_chunks
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,7 @@ class Violation:
 
 def buffer_sizes(s: Schedule, rank, inplace: bool) -> dict:
     """Chunks of each buffer as the caller's call gives them (not as the file declares)."""
-    c, cf = s.chunks, s.per_rank
-    i, o = {"all_gather": (cf, c), "reduce_scatter": (c, cf)}.get(s.collective, (c, c))
+    i, o = buffer_chunks(s.collective, s.chunks, s.size)
     return {"i": i, "o": o, "s": rank.s_chunks}
 
 
