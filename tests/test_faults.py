@@ -56,6 +56,40 @@ def test_mismatch_checking_names_every_rank(ranks):
         assert out[name + " after"] == [3.0] * 4
 
 
+def family_mismatches(rank, p):
+    """COMMLAB_CHECK=1 compares every family's calls through the group's own backend,
+    even where the transport compares records itself (shm)."""
+    os.environ["COMMLAB_CHECK"] = "1"
+    out = {}
+    cases = {
+        "broadcast root": lambda g: commlab.broadcast(torch.ones(8), src=rank % 2, group=g, algorithm="shm"),
+        "all_gather numel": lambda g: commlab.all_gather(torch.empty(p * (4 + rank)), torch.ones(4 + rank), group=g,
+                                                          algorithm="shm"),
+    }
+    try:
+        for name, call in cases.items():
+            g = dist.new_group(list(range(p)))  # a fresh group: its plans are built with checking on
+            try:
+                call(g)
+                out[name] = "NOT RAISED"
+            except commlab.CollectiveMismatchError as e:
+                out[name] = str(e)
+            dist.destroy_process_group(g)
+    finally:
+        del os.environ["COMMLAB_CHECK"]
+    return out
+
+
+def test_mismatch_checking_serves_every_family(ranks):
+    res = ranks.run(2, family_mismatches)
+    assert all(r == res[0] for r in res), "ranks raised different errors"
+    out = res[0]
+    assert "ranks called broadcast differently" in out["broadcast root"], out
+    assert "root=0" in out["broadcast root"] and "root=1" in out["broadcast root"], out
+    assert "ranks called all_gather differently" in out["all_gather numel"], out
+    assert "numel=4 " in out["all_gather numel"] and "numel=5 " in out["all_gather numel"], out
+
+
 def first_calls_differ(rank, p, mine, theirs):
     g = dist.new_group(list(range(p)))  # fresh: the first call sets the group up
     try:

@@ -46,6 +46,7 @@ def fast_and_slow(rank, p, algorithm, env):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     from commlab.api import all_reduce as api
+    from commlab.api import family
     alg = commlab.get_algorithm(algorithm)
     runs = []
     real_run = type(alg).run
@@ -54,7 +55,7 @@ def fast_and_slow(rank, p, algorithm, env):
     try:
         x = torch.full((1000,), float(rank + 1))
         commlab.all_reduce(x, group=g, algorithm=algorithm)  # plans the call (and sets shm up)
-        out = {"first": runs[:], "fast": api._fast.get((algorithm, id(dist.ReduceOp.SUM), id(g))) is not None}
+        out = {"first": runs[:], "fast": family.fast_plan(("all_reduce", algorithm, id(dist.ReduceOp.SUM), id(g))) is not None}
         want = float(p * (p + 1) // 2)
         ok = [torch.equal(x, torch.full_like(x, want))]
         # Another dtype takes the fast path over; the first call like x's takes it back.
@@ -81,8 +82,7 @@ def fast_and_slow(rank, p, algorithm, env):
         dist.barrier()
         dist.destroy_process_group(g)
         del alg.run
-        api._plans.clear()  # plans made under this env would outlive it
-        api._fast.clear()
+        api._plans.clear()  # plans made under this env would outlive it (their fast paths too)
         for k, v in saved.items():  # the pool's ranks live on into other tests
             if v is None:
                 os.environ.pop(k)

@@ -139,21 +139,24 @@ class Member:
 
 
 class FamilyMember(Member):
-    """What every family but all-reduce adds to Member (all-reduce's API asks the same
-    with the buffer: Algorithm.checks_calls)."""
+    """What every family's API asks of its algorithms on a plan's first call, besides
+    the family's own `unsupported` and `run`."""
 
     def prepare(self, first: torch.Tensor, ctx: Context) -> None:
         """Collective, on every rank's first call of a plan, before checks_calls: what an
         algorithm decides with its peers (auto's pick). `first`: the call's input."""
 
     def checks_calls(self, ctx: Context) -> bool:
-        """Whether the transport itself compares the ranks' call records (shared memory,
-        all-to-all's counts included); otherwise the API checks every call first
-        (P2P.agree: all-to-all's algorithm then gets every rank's counts)."""
+        """Whether this algorithm's transport itself makes ranks that call differently
+        fail alike before any wrong byte lands (shared memory and CUDA IPC compare call
+        records, all-to-all's counts included). When it does not — point-to-point steps,
+        the backend's own collective — the API checks every call first (P2P.agree:
+        all-to-all's algorithm then gets every rank's counts). Collective: every rank
+        asks at the same point of its first call of a plan."""
         return False
 
 
-class Algorithm(Member):
+class Algorithm(FamilyMember):
     """An all-reduce algorithm."""
 
     collective = "all_reduce"
@@ -175,14 +178,6 @@ class Algorithm(Member):
         except for an algorithm whose transport compares call records (checks_calls):
         an empty call must take part in that comparison, its peers may have data."""
         raise NotImplementedError
-
-    def checks_calls(self, buf: torch.Tensor, ctx: Context) -> bool:
-        """Whether this algorithm's transport itself makes ranks that call differently
-        fail alike before any wrong byte lands (shared memory and CUDA IPC compare call
-        records). When it does not — point-to-point steps, the backend's own collective —
-        the API checks every call first (P2P.checker). Collective: every
-        rank asks at the same point of its first call of a plan."""
-        return False
 
 
 def ring_stages(c: Cost, hosts: int, by: str) -> list[Stage]:

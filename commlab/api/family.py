@@ -1,12 +1,15 @@
-"""What every collective family's API shares (commlab.all_gather, commlab.reduce_scatter,
-...): a call's plan (validated once per algorithm, group, dtype and device type), the
+"""What every collective family's API shares (commlab.all_reduce, commlab.all_gather,
+commlab.reduce_scatter, commlab.all_to_all, commlab.broadcast): a call's plan (validated once per algorithm, group, dtype and device type), the
 order of a call — this rank's own arguments refused and the group given up, the
 algorithm's collective first-call decision, the agreement, the run — and its failure
 contract, the lane that runs it inline or async, and the plan cache. Each family's
 module says only what differs: its sizes, its call record and its body."""
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.distributed as dist
 
 from commlab.algorithms.base import Context
 from commlab.api import lanes
@@ -33,6 +36,8 @@ class Plan:
         self.agree = None  # whether every call is agreed first: decided on the first call
         self.fast = None  # the algorithm's one-call path for blocking calls, decided on the first call
         self.fast_key = None  # (collective, algorithm, group[, op]): where the fast path finds this plan
+        self.checks: dict = {}  # root -> the agreement of every call of this plan, bound once (P2P.checker)
+        self.debug = checking_enabled()  # every call also compared through the group's own backend
 
     # -- what a family says -------------------------------------------------------------
 
@@ -75,22 +80,50 @@ class Plan:
             self.ctx.p2p.give_up(refused)
         raise refused
 
+    def agreement(self, out: torch.Tensor, inp: torch.Tensor, root: int, extra):
+        """Every rank's record of this call compared before any byte moves (P2P.agree).
+        A call the record says all of, but its size, has its check bound once per root
+        (the per-call price of a small checked call); returns all_to_all's agreed counts."""
+        if extra is not None:
+            return self.ctx.p2p.agree(self.record(out, inp, root, extra), self.names)
+        check = self.checks.get(root)
+        if check is None:
+            check = self.checks[root] = self.ctx.p2p.checker(self.collective, inp.dtype, self.reduce_op, self.alg.name,
+                                                             self.names, root, cuda=inp.is_cuda)
+        check(self.record_numel(out, inp))
+        return None
+
+    def compare(self, out: torch.Tensor, inp: torch.Tensor, root: int, extra) -> None:
+        """COMMLAB_CHECK=1: every rank shows its call through the group's own backend;
+        any difference raises the same error everywhere."""
+        r = self.record(out, inp, root, extra)
+        mine = (r.elements, str(r.dtype).replace("torch.", ""), r.op.name if r.op is not None else "-", r.algorithm,
+                r.root)
+        seen = [None] * self.info.size
+        dist.all_gather_object(seen, mine, group=self.info.group)
+        if any(s != seen[0] for s in seen):
+            detail = "; ".join(f"rank {self.info.global_rank(q)}: numel={s[0]} dtype={s[1]} op={s[2]} algorithm={s[3]}"
+                               + (f" root={s[4]}" if s[4] >= 0 else "") for q, s in enumerate(seen))
+            raise CollectiveMismatchError(f"commlab: ranks called {self.collective} differently: {detail}")
+
     def execute(self, out: torch.Tensor, inp: torch.Tensor, root: int = -1, extra=None) -> None:
         p = self.info.size
         bad = self.refusal(out, inp, p)
         if bad:
             self.refuse(bad)
+        if self.debug and p > 1:
+            self.compare(out, inp, root, extra)
         try:
             if self.agree is None:  # collective: every rank's first call of the plan asks here
                 if p > 1:
                     self.alg.prepare(inp, self.ctx)
                 self.agree = p > 1 and not self.alg.checks_calls(self.ctx)
-                if p > 1 and not self.agree and self.fast_key is not None:
+                if p > 1 and not self.agree and self.fast_key is not None and not self.debug:
                     self.fast = self.alg.fast_call(inp, self.reduce_op, self.ctx)
                     if self.fast is not None:
                         _fast[self.fast_key] = self
             if self.agree:  # an empty call too: its peers may not be empty
-                agreed = self.ctx.p2p.agree(self.record(out, inp, root, extra), self.names)
+                agreed = self.agreement(out, inp, root, extra)
                 if agreed is not None:  # all_to_all: every rank's counts, as a matrix
                     extra = extra.agreed(agreed)
             # Where the transport compares records itself, an empty call goes down to it:
@@ -106,6 +139,12 @@ class Plan:
             if p > 1:
                 self.ctx.p2p.give_up(e)
             raise
+
+
+def checking_enabled() -> bool:
+    """COMMLAB_CHECK=1, or torch's own TORCH_DISTRIBUTED_DEBUG=DETAIL."""
+    return os.environ.get("COMMLAB_CHECK", "0") not in ("", "0") or \
+        os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
 
 
 def run(plan: Plan, out: torch.Tensor, inp: torch.Tensor, async_op: bool, root: int = -1, extra=None):
@@ -180,6 +219,15 @@ class Plans:
     def __init__(self):
         self._plans: dict[tuple, Plan] = {}
 
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def clear(self) -> None:
+        """Forgets every plan of the family and every fast path (an environment a plan
+        was made under has changed)."""
+        self._plans.clear()
+        _fast.clear()
+
     def get(self, key, op=None) -> Plan | None:
         plan = self._plans.get(key) if key is not None else None
         if plan is not None and plan.op_key is op and plan.info.alive():
@@ -192,8 +240,7 @@ class Plans:
         """Caches `plan` under `key`; `fast_key` is where the fast path will find it."""
         if key is not None and (t.is_cpu or t.is_cuda):  # other devices share a key: never cached
             if len(self._plans) >= self.MAX:
-                self._plans.clear()
-                _fast.clear()
+                self.clear()
             self._plans[key] = plan
             plan.fast_key = fast_key
         return plan

@@ -66,18 +66,17 @@ class Auto(Algorithm):
         return _Choice(self.name, ctx, fixed=rule(device_type, per_host))
 
     def _choice(self, device_type: str, ctx: Context) -> "_Choice":
-        choices = ctx.transport  # {device type: _Choice}, per plan
-        if choices is None:
-            choices = ctx.transport = {}
-        choice = choices.get(device_type)
-        if choice is None:
-            choice = choices[device_type] = self.decide(device_type, ctx)
-        return choice
+        if ctx.transport is None:  # the plan's (one device type per plan)
+            ctx.transport = self.decide(device_type, ctx)
+        return ctx.transport
 
-    def checks_calls(self, buf, ctx):
+    def prepare(self, first, ctx):
+        self._choice(first.device.type, ctx)
+
+    def checks_calls(self, ctx):
         # Only where every algorithm it may pick does: a tuning table that picks shm for
         # small sizes and builtin for large ones would let a size mismatch straddle them.
-        return self._choice(buf.device.type, ctx).checks_calls(buf)
+        return ctx.transport is not None and ctx.transport.checks_calls()
 
     def run(self, buf, op, ctx):
         alg, inner = self._choice(buf.device.type, ctx).algorithm(buf.numel() * buf.element_size(), buf, op)
@@ -100,11 +99,11 @@ class _Choice:
         self.label, self.ctx, self.fixed, self.table = label, ctx, fixed, table
         self.ready: dict[str, tuple[Algorithm, Context]] = {}
 
-    def checks_calls(self, buf) -> bool:
+    def checks_calls(self) -> bool:
         from commlab import algorithms
 
         names = [self.fixed] if self.fixed else sorted(set(self.table.names))
-        return all(algorithms.get(n).checks_calls(buf, Context(info=self.ctx.info, p2p=self.ctx.p2p)) for n in names)
+        return all(algorithms.get(n).checks_calls(Context(info=self.ctx.info, p2p=self.ctx.p2p)) for n in names)
 
     def algorithm(self, nbytes: int, buf, op) -> tuple[Algorithm, Context]:
         name = self.fixed or self.table.pick(nbytes)

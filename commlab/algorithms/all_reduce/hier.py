@@ -61,7 +61,7 @@ class Hierarchical(Algorithm):
     def unsupported(self, tensor, op, info):
         return shm.unsupported(info)
 
-    def checks_calls(self, buf, ctx):
+    def checks_calls(self, ctx):
         # One host is shm's; across hosts the link stage is point-to-point, and a size
         # that differs between hosts would only show there, after shm moved bytes.
         return self._layout(ctx).hosts == 1
