@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import zlib
 
 import torch
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
+# What the families that move bytes without reducing them (all-gather, all-to-all, broadcast) carry.
+MOVED_DTYPES = DTYPES + [torch.int8, torch.bool, torch.complex64]
 OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
 
 EPS = {
@@ -19,6 +22,20 @@ EPS = {
     torch.float16: 2.0**-11,
     torch.bfloat16: 2.0**-8,
 }
+
+
+def seeded(key: str, shape, dtype: torch.dtype) -> torch.Tensor:
+    """Values in [-100, 100) of any dtype, the same on every rank for the same key: what
+    the families that move bytes send (bools, unsigned and complex included)."""
+    g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    x = torch.randint(-100, 100, shape if isinstance(shape, tuple) else (shape,), generator=g, dtype=torch.int64)
+    if dtype == torch.bool:
+        return x > 0
+    if dtype == torch.uint8:
+        return (x + 100).to(dtype)
+    if dtype.is_complex:
+        return torch.complex(x.float(), -x.float()).to(dtype)
+    return x.to(dtype)
 
 
 def make_input(seed: int, rank: int, numel: int, dtype: torch.dtype, op: str) -> torch.Tensor:
@@ -165,6 +182,40 @@ class emulated_host:
 def picked(plan, algorithm: str) -> str:
     """The algorithm a family's plan runs: auto's pick, else the one named."""
     return plan.ctx.transport.name if algorithm == "auto" else algorithm
+
+
+def picked_for(collective: str, algorithm: str, group, dtype, op=None) -> str:
+    """What the family's cached plan for (algorithm, group, dtype[, op]) on CPU runs."""
+    import importlib
+
+    plans = importlib.import_module(f"commlab.api.{collective}")._plans
+    ids = (id(group),) if op is None else (id(op), id(group))  # the families' keys, op first where they have one
+    key = (algorithm, *ids, dtype, True, False)
+    return picked(plans.get(key, op), algorithm)
+
+
+def picks_across_hosts(ranks, name: str, across_hosts, algorithm: str) -> set:
+    """across_hosts(rank, p, hosts, algorithm) -> (what it found wrong, what it picked)
+    run on the layout `name`: nothing wrong on any rank; returns the set of picks."""
+    p, hosts = HOST_LAYOUTS[name]
+    got = ranks.run(p, across_hosts, hosts, algorithm)
+    assert all(bad == [] for bad, _ in got), got
+    return {picked for _, picked in got}
+
+
+def mismatch_seen(p: int, call) -> tuple[str, str]:
+    """call(group) on a fresh group, where ranks call differently: ("mismatch", its text),
+    or what else happened (the error's type and text, or "returned")."""
+    kind, text, _ = on_fresh_group(p, call)
+    return ("mismatch" if kind == "CollectiveMismatchError" else kind), text
+
+
+def assert_mismatch_alike(got: list, algorithm: str, shm_texts=("shm", "auto", "hier")) -> None:
+    """Every rank raised CollectiveMismatchError; where the agreement words it (not
+    shared memory, whose record texts say "this rank"), with one text on every rank."""
+    assert all(kind == "mismatch" for kind, *_ in got), got
+    if algorithm not in shm_texts:
+        assert len({text for _, text, *_ in got}) == 1, got
 
 
 def assert_refusal_named(got: list, says: str) -> None:

@@ -62,3 +62,21 @@ def clean_launch_env(**extra) -> dict:
            if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_"))}
     env.update(extra)
     return env
+
+
+def run_lightning(tmp_path, script_text: str, *args: str) -> list[dict]:
+    """Runs a Lightning training script (its own two-rank launcher) in tmp_path with
+    args after the folder, and returns the JSON files it wrote there, name-sorted."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(script_text)
+    env = clean_launch_env(GLOO_SOCKET_IFNAME="lo", PL_DISABLE_FORK="1", OMP_NUM_THREADS="1")
+    for old in tmp_path.glob("*.json"):
+        old.unlink()
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(f.read_text()) for f in sorted(tmp_path.glob("*.json"))]

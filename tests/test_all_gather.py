@@ -3,42 +3,21 @@ registered algorithm on 1-8 ranks, every dtype, sizes not divisible by anything,
 flat and stacked outputs, strided inputs and outputs, the in-place convention, async,
 sub-groups; a mismatch is the same CollectiveMismatchError on every rank, a rank that
 refuses its own arguments makes its peers raise naming it."""
-import zlib
 
+import cases
 import pytest
 import torch
 import torch.distributed as dist
-from cases import (
-    HOST_LAYOUTS,
-    assert_drill_named_rank_1,
-    assert_none_failed,
-    assert_refusal_named,
-    emulated_host,
-    family_sweep,
-    first_two_quick,
-    halves,
-    on_fresh_group,
-    picked,
-)
 
 import commlab
 from commlab.algorithms import all_gather as family
 
 ALGORITHMS = family.for_device("cpu")
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8,
-          torch.int8, torch.bool, torch.complex64]
+DTYPES = cases.MOVED_DTYPES
 
 
 def block(rank: int, n: int, dtype, salt: str = "") -> torch.Tensor:
-    g = torch.Generator().manual_seed(zlib.crc32(f"{rank} {n} {dtype} {salt}".encode()))
-    x = torch.randint(-100, 100, (n,), generator=g, dtype=torch.int64)
-    if dtype == torch.bool:
-        return x > 0
-    if dtype == torch.uint8:
-        return (x + 100).to(dtype)
-    if dtype.is_complex:
-        return torch.complex(x.float(), -x.float()).to(dtype)
-    return x.to(dtype)
+    return cases.seeded(f"{rank} {n} {dtype} {salt}", n, dtype)
 
 
 def sizes_for(p: int) -> list[int]:
@@ -66,11 +45,11 @@ def sweep(rank, p, algorithm):
 
 
 def assert_sweep(results):
-    assert_none_failed([fails for fails, _ in results])
+    cases.assert_none_failed([fails for fails, _ in results])
     assert all(d == results[0][1] for _, d in results)
 
 
-SWEEP = family_sweep(ALGORITHMS)
+SWEEP = cases.family_sweep(ALGORITHMS)
 
 
 @pytest.mark.parametrize("world_size,algorithm", SWEEP)
@@ -127,7 +106,7 @@ def test_layouts_inplace_and_async(ranks, algorithm):
 
 def subgroups(rank, p, algorithm):
     out = torch.empty(2 * 5, dtype=torch.int64)
-    with halves(rank) as (g, members):
+    with cases.halves(rank) as (g, members):
         commlab.all_gather(out, torch.full((5,), rank, dtype=torch.int64), group=g, algorithm=algorithm)
     return torch.equal(out, torch.tensor(members).repeat_interleave(5))
 
@@ -141,46 +120,33 @@ def mismatched(rank, p, algorithm, what):
     n = 8 if not (what == "size" and rank == 1) else 4
     dtype = torch.int32 if (what == "dtype" and rank == 1) else torch.float32
     alg = algorithm if not (what == "algorithm" and rank == 1) else ("ring" if algorithm != "ring" else "rd")
-    g = dist.new_group(list(range(p)))  # a failed group stays failed: not the pool's default one
-    try:
-        if what == "collective" and rank == 1:
-            commlab.all_reduce(torch.ones(n), group=g, algorithm=alg)
-        else:
-            commlab.all_gather(torch.empty(p * n, dtype=dtype), torch.ones(n, dtype=dtype), group=g, algorithm=alg)
-    except commlab.CollectiveMismatchError as e:
-        return "mismatch", str(e)
-    except commlab.CommlabError as e:
-        return type(e).__name__, str(e)
-    finally:
-        dist.destroy_process_group(g)
-    return "returned", ""
+    if what == "collective" and rank == 1:
+        return cases.mismatch_seen(p, lambda g: commlab.all_reduce(torch.ones(n), group=g, algorithm=alg))
+    return cases.mismatch_seen(p, lambda g: commlab.all_gather(torch.empty(p * n, dtype=dtype), torch.ones(n, dtype=dtype),
+                                                         group=g, algorithm=alg))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("what", ["size", "dtype", "algorithm", "collective"])
 def test_a_mismatch_is_the_same_error_on_every_rank(ranks, algorithm, what):
-    got = ranks.run(3, mismatched, algorithm, what)
-    assert all(kind == "mismatch" for kind, _ in got), got
-    if algorithm not in ("shm", "auto", "hier"):  # on one host these are shm, whose texts say "this rank"
-        # The agreement's text is built from the gathered records alone.
-        assert len({text for _, text in got}) == 1, got
+    cases.assert_mismatch_alike(ranks.run(3, mismatched, algorithm, what), algorithm)
 
 
 def wrong_output(rank, p, algorithm):
     out = torch.empty(p * 8 + (1 if rank == 1 else 0))
-    return on_fresh_group(p, lambda g: commlab.all_gather(out, torch.ones(8), group=g, algorithm=algorithm))
+    return cases.on_fresh_group(p, lambda g: commlab.all_gather(out, torch.ones(8), group=g, algorithm=algorithm))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_a_rank_refusing_its_arguments_makes_every_peer_raise(ranks, algorithm):
-    assert_refusal_named(ranks.run(3, wrong_output, algorithm), "needs world size 3")
+    cases.assert_refusal_named(ranks.run(3, wrong_output, algorithm), "needs world size 3")
 
 
-@pytest.mark.parametrize("algorithm,fault", first_two_quick(
+@pytest.mark.parametrize("algorithm,fault", cases.first_two_quick(
     ("ring", "sigkill"), ("shm", "sigint"), ("rd", "sigint"), ("direct", "exception"), ("builtin", "sigkill"),
     ("ring", "error-in-call"), ("shm", "sigkill")))
 def test_a_failed_rank_makes_every_peer_raise_within_two_seconds(algorithm, fault):
-    assert_drill_named_rank_1(algorithm, fault, "all_gather")
+    cases.assert_drill_named_rank_1(algorithm, fault, "all_gather")
 
 
 @pytest.mark.slow
@@ -194,7 +160,7 @@ def test_a_frozen_rank_is_named(monkeypatch):
 
 
 def across_hosts(rank, p, hosts, algorithm):
-    with emulated_host(hosts[rank]) as group:
+    with cases.emulated_host(hosts[rank]) as group:
         bad = []
         for n in (1, 5, 4099):  # 4099 float64: several shm pieces of the tests' 16 KiB segments
             for dtype in (torch.float64, torch.int8):
@@ -203,19 +169,15 @@ def across_hosts(rank, p, hosts, algorithm):
                 commlab.all_gather(out, block(rank, n, dtype), group=group, algorithm=algorithm)
                 if not torch.equal(out, want):
                     bad.append(f"{dtype} n={n}")
-        return bad, picked(commlab.api.all_gather._plans.get((algorithm, id(group), torch.int8, True, False)),
-                           algorithm)
+        return bad, cases.picked_for("all_gather", algorithm, group, torch.int8)
 
 
-@pytest.mark.parametrize("name", list(HOST_LAYOUTS))
+@pytest.mark.parametrize("name", list(cases.HOST_LAYOUTS))
 @pytest.mark.parametrize("algorithm", ["hier", "auto"])
 def test_across_emulated_hosts(ranks, name, algorithm):
-    p, hosts = HOST_LAYOUTS[name]
-    got = ranks.run(p, across_hosts, hosts, algorithm)
-    assert all(bad == [] for bad, _ in got), got
+    picks = cases.picks_across_hosts(ranks, name, across_hosts, algorithm)
     if algorithm == "auto":  # shm on one host, hier where a host has several ranks, the ring with one rank per host
-        want = {"1x3": "ring", "1 host": "shm"}.get(name, "hier")
-        assert {picked for _, picked in got} == {want}, got
+        assert picks == {{"1x3": "ring", "1 host": "shm"}.get(name, "hier")}, picks
 
 
 def refused_alike_then_usable(rank, p):

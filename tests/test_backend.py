@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import RankPool, clean_launch_env, status_payload
+from ranks import RankPool, clean_launch_env, run_lightning, status_payload
 
 import commlab  # noqa: F401 - registers the backend
 
@@ -255,18 +255,7 @@ leave()
 @pytest.mark.slow
 def test_lightning_ddp_strategy_on_the_commlab_backend(tmp_path):
     pytest.importorskip("pytorch_lightning")
-    import json
-    import subprocess
-    import sys
-
-    script = tmp_path / "train.py"
-    script.write_text(LIGHTNING_SCRIPT)
-    env = clean_launch_env(GLOO_SOCKET_IFNAME="lo", PL_DISABLE_FORK="1", OMP_NUM_THREADS="1")
-    for backend in ("gloo", "commlab"):
-        proc = subprocess.run([sys.executable, str(script), str(tmp_path), backend], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    runs = {b: [json.loads((tmp_path / f"{b}{r}.json").read_text()) for r in range(2)] for b in ("gloo", "commlab")}
+    runs = {b: run_lightning(tmp_path, LIGHTNING_SCRIPT, b) for b in ("gloo", "commlab")}
     c = runs["commlab"]
     assert c[0]["backend"] == "commlab" and c[0]["weight"] == c[1]["weight"], c
     assert all(o["shm_calls"] > 0 for o in c), c  # Lightning's DDP went through commlab's shared memory

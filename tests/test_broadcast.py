@@ -4,42 +4,20 @@ strided and 0-dim tensors, async, sub-groups (src a global rank, or group_src); 
 rank ends with the root's bits; a mismatch (size, dtype, root, algorithm, collective) is
 the same CollectiveMismatchError on every rank, a rank that refuses its own arguments
 makes its peers raise naming it, a failed rank makes every peer raise within two seconds."""
-import zlib
 
+import cases
 import pytest
 import torch
-import torch.distributed as dist
-from cases import (
-    HOST_LAYOUTS,
-    assert_drill_named_rank_1,
-    assert_none_failed,
-    assert_refusal_named,
-    emulated_host,
-    family_sweep,
-    first_two_quick,
-    halves,
-    on_fresh_group,
-    picked,
-)
 
 import commlab
 from commlab.algorithms import broadcast as family
 
 ALGORITHMS = family.for_device("cpu")
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8,
-          torch.int8, torch.bool, torch.complex64]
+DTYPES = cases.MOVED_DTYPES
 
 
 def message(rank: int, n: int, dtype, root: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(zlib.crc32(f"{rank} {n} {dtype} {root}".encode()))
-    x = torch.randint(-100, 100, (n,), generator=g, dtype=torch.int64)
-    if dtype == torch.bool:
-        return x > 0
-    if dtype == torch.uint8:
-        return (x + 100).to(dtype)
-    if dtype.is_complex:
-        return torch.complex(x.float(), -x.float()).to(dtype)
-    return x.to(dtype)
+    return cases.seeded(f"{rank} {n} {dtype} {root}", n, dtype)
 
 
 def sizes_for(p: int) -> list[int]:
@@ -59,12 +37,12 @@ def sweep(rank, p, algorithm):
     return failures
 
 
-SWEEP = family_sweep(ALGORITHMS, quick_at_3=("scatter_allgather", "shm"))
+SWEEP = cases.family_sweep(ALGORITHMS, quick_at_3=("scatter_allgather", "shm"))
 
 
 @pytest.mark.parametrize("world_size,algorithm", SWEEP)
 def test_sweep(ranks, world_size, algorithm):
-    assert_none_failed(ranks.run(world_size, sweep, algorithm, timeout=300))
+    cases.assert_none_failed(ranks.run(world_size, sweep, algorithm, timeout=300))
 
 
 def layouts(rank, p, algorithm):
@@ -100,7 +78,7 @@ def test_layouts_and_async(ranks, algorithm):
 
 def subgroups(rank, p, algorithm):
     t = torch.full((5,), rank, dtype=torch.int64)
-    with halves(rank) as (g, members):
+    with cases.halves(rank) as (g, members):
         root = members[1]  # a global rank, the group's second
         commlab.broadcast(t, src=root, group=g, algorithm=algorithm)
     return torch.equal(t, torch.full((5,), root))
@@ -116,45 +94,33 @@ def mismatched(rank, p, algorithm, what):
     dtype = torch.int32 if (what == "dtype" and rank == 1) else torch.float32
     root = 1 if (what == "root" and rank == 1) else 0
     alg = algorithm if not (what == "algorithm" and rank == 1) else ("binomial" if algorithm != "binomial" else "chain")
-    g = dist.new_group(list(range(p)))  # a failed group stays failed: not the pool's default one
-    try:
-        if what == "collective" and rank == 1:
-            commlab.all_gather(torch.empty(p * n), torch.ones(n), group=g, algorithm="ring" if alg != "shm" else alg)
-        else:
-            commlab.broadcast(torch.ones(n, dtype=dtype), src=root, group=g, algorithm=alg)
-    except commlab.CollectiveMismatchError as e:
-        return "mismatch", str(e)
-    except commlab.CommlabError as e:
-        return type(e).__name__, str(e)
-    finally:
-        dist.destroy_process_group(g)
-    return "returned", ""
+    if what == "collective" and rank == 1:
+        return cases.mismatch_seen(p, lambda g: commlab.all_gather(torch.empty(p * n), torch.ones(n), group=g,
+                                                             algorithm="ring" if alg != "shm" else alg))
+    return cases.mismatch_seen(p, lambda g: commlab.broadcast(torch.ones(n, dtype=dtype), src=root, group=g, algorithm=alg))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("what", ["size", "dtype", "root", "algorithm", "collective"])
 def test_a_mismatch_is_the_same_error_on_every_rank(ranks, algorithm, what):
-    got = ranks.run(3, mismatched, algorithm, what)
-    assert all(kind == "mismatch" for kind, _ in got), got
-    if algorithm not in ("shm", "auto"):  # on one host these are shm, whose texts say "this rank"
-        assert len({text for _, text in got}) == 1, got
+    cases.assert_mismatch_alike(ranks.run(3, mismatched, algorithm, what), algorithm)
 
 
 def wrong_root(rank, p, algorithm):
     src = 7 if rank == 1 else 0
-    return on_fresh_group(p, lambda g: commlab.broadcast(torch.ones(8), src=src, group=g, algorithm=algorithm))
+    return cases.on_fresh_group(p, lambda g: commlab.broadcast(torch.ones(8), src=src, group=g, algorithm=algorithm))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_a_rank_refusing_its_arguments_makes_every_peer_raise(ranks, algorithm):
-    assert_refusal_named(ranks.run(3, wrong_root, algorithm), "src 7 is not a rank of this group")
+    cases.assert_refusal_named(ranks.run(3, wrong_root, algorithm), "src 7 is not a rank of this group")
 
 
-@pytest.mark.parametrize("algorithm,fault", first_two_quick(
+@pytest.mark.parametrize("algorithm,fault", cases.first_two_quick(
     ("scatter_allgather", "sigkill"), ("shm", "sigint"), ("binomial", "sigint"), ("chain", "exception"),
     ("builtin", "sigkill"), ("chain", "error-in-call"), ("shm", "sigkill")))
 def test_a_failed_rank_makes_every_peer_raise_within_two_seconds(algorithm, fault):
-    assert_drill_named_rank_1(algorithm, fault, "broadcast")
+    cases.assert_drill_named_rank_1(algorithm, fault, "broadcast")
 
 
 def test_unsupported_calls_are_clear():
@@ -163,7 +129,7 @@ def test_unsupported_calls_are_clear():
 
 
 def across_hosts(rank, p, hosts, algorithm):
-    with emulated_host(hosts[rank]) as group:
+    with cases.emulated_host(hosts[rank]) as group:
         bad = []
         for n in (1, 5, 70_001):  # 70,001 int8 / float64: below and above auto's 512 KiB switch
             for dtype in (torch.float64, torch.int8):
@@ -171,15 +137,12 @@ def across_hosts(rank, p, hosts, algorithm):
                 commlab.broadcast(t, src=1, group=group, algorithm=algorithm)
                 if not torch.equal(t, message(1, n, dtype, 1)):
                     bad.append(f"{dtype} n={n}")
-        return bad, picked(commlab.api.broadcast._plans.get((algorithm, id(group), torch.int8, True, False)),
-                           algorithm)
+        return bad, cases.picked_for("broadcast", algorithm, group, torch.int8)
 
 
-@pytest.mark.parametrize("name", list(HOST_LAYOUTS))
+@pytest.mark.parametrize("name", list(cases.HOST_LAYOUTS))
 @pytest.mark.parametrize("algorithm", ["auto", "scatter_allgather"])
 def test_across_emulated_hosts(ranks, name, algorithm):
-    p, hosts = HOST_LAYOUTS[name]
-    got = ranks.run(p, across_hosts, hosts, algorithm)
-    assert all(bad == [] for bad, _ in got), got
+    picks = cases.picks_across_hosts(ranks, name, across_hosts, algorithm)
     if algorithm == "auto":  # shm on one host; across hosts auto itself, choosing by size
-        assert {picked for _, picked in got} == {"shm" if name == "1 host" else "auto"}, got
+        assert picks == {"shm" if name == "1 host" else "auto"}, picks

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from cases import on_fresh_group
 from ranks import RankPool, status_payload
 
 import commlab
@@ -59,35 +60,25 @@ def test_mismatch_checking_names_every_rank(ranks):
 def family_mismatches(rank, p):
     """COMMLAB_CHECK=1 compares every family's calls through the group's own backend,
     even where the transport compares records itself (shm)."""
-    os.environ["COMMLAB_CHECK"] = "1"
-    out = {}
-    cases = {
-        "broadcast root": lambda g: commlab.broadcast(torch.ones(8), src=rank % 2, group=g, algorithm="shm"),
-        "all_gather numel": lambda g: commlab.all_gather(torch.empty(p * (4 + rank)), torch.ones(4 + rank), group=g,
-                                                          algorithm="shm"),
-    }
+    os.environ["COMMLAB_CHECK"] = "1"  # read when a plan is made: each call's group is fresh
     try:
-        for name, call in cases.items():
-            g = dist.new_group(list(range(p)))  # a fresh group: its plans are built with checking on
-            try:
-                call(g)
-                out[name] = "NOT RAISED"
-            except commlab.CollectiveMismatchError as e:
-                out[name] = str(e)
-            dist.destroy_process_group(g)
+        return {
+            "broadcast root": on_fresh_group(p, lambda g: commlab.broadcast(
+                torch.ones(8), src=rank % 2, group=g, algorithm="shm"))[:2],
+            "all_gather numel": on_fresh_group(p, lambda g: commlab.all_gather(
+                torch.empty(p * (4 + rank)), torch.ones(4 + rank), group=g, algorithm="shm"))[:2],
+        }
     finally:
         del os.environ["COMMLAB_CHECK"]
-    return out
 
 
 def test_mismatch_checking_serves_every_family(ranks):
     res = ranks.run(2, family_mismatches)
     assert all(r == res[0] for r in res), "ranks raised different errors"
-    out = res[0]
-    assert "ranks called broadcast differently" in out["broadcast root"], out
-    assert "root=0" in out["broadcast root"] and "root=1" in out["broadcast root"], out
-    assert "ranks called all_gather differently" in out["all_gather numel"], out
-    assert "numel=4 " in out["all_gather numel"] and "numel=5 " in out["all_gather numel"], out
+    (kind, root), (kind2, numel) = res[0]["broadcast root"], res[0]["all_gather numel"]
+    assert kind == kind2 == "CollectiveMismatchError", res[0]
+    assert "ranks called broadcast differently" in root and "root=0" in root and "root=1" in root, root
+    assert "ranks called all_gather differently" in numel and "numel=4 " in numel and "numel=5 " in numel, numel
 
 
 def first_calls_differ(rank, p, mine, theirs):

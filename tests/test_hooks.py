@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 from cases import digest
-from ranks import clean_launch_env
+from ranks import clean_launch_env, run_lightning
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlab
@@ -360,17 +360,8 @@ leave()
 @pytest.mark.slow
 def test_lightning_ddp_strategy_with_a_state_built_first(tmp_path):
     pytest.importorskip("pytorch_lightning")
-    import json
-    import subprocess
-    import sys
-
-    script = tmp_path / "train.py"
-    script.write_text(LIGHTNING_SCRIPT)
-    env = clean_launch_env(GLOO_SOCKET_IFNAME="lo", PL_DISABLE_FORK="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    outs = run_lightning(tmp_path, LIGHTNING_SCRIPT)
+    assert len(outs) == 2, outs
     assert outs[0]["weight"] == outs[1]["weight"]  # replicas identical: the hook averaged
     assert all(o["bound"] and o["iterations"] >= 3 for o in outs), outs
 

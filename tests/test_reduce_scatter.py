@@ -7,21 +7,10 @@ that refuses its own arguments makes its peers raise naming it, a failed rank ma
 peer raise within two seconds."""
 import zlib
 
+import cases
 import pytest
 import torch
 import torch.distributed as dist
-from cases import (
-    HOST_LAYOUTS,
-    assert_drill_named_rank_1,
-    assert_none_failed,
-    assert_refusal_named,
-    emulated_host,
-    family_sweep,
-    first_two_quick,
-    halves,
-    on_fresh_group,
-    picked,
-)
 
 import commlab
 from commlab.algorithms import reduce_scatter as family
@@ -79,12 +68,12 @@ def sweep(rank, p, algorithm):
     return failures
 
 
-SWEEP = family_sweep(ALGORITHMS, quick_at_3=("rh", "shm"))
+SWEEP = cases.family_sweep(ALGORITHMS, quick_at_3=("rh", "shm"))
 
 
 @pytest.mark.parametrize("world_size,algorithm", SWEEP)
 def test_sweep(ranks, world_size, algorithm):
-    assert_none_failed(ranks.run(world_size, sweep, algorithm, timeout=300))
+    cases.assert_none_failed(ranks.run(world_size, sweep, algorithm, timeout=300))
 
 
 def random_floats(rank, p, algorithm):
@@ -155,7 +144,7 @@ def test_layouts_inplace_and_async(ranks, algorithm):
 
 def subgroups(rank, p, algorithm):
     out = torch.empty(5, dtype=torch.int64)
-    with halves(rank) as (g, members):
+    with cases.halves(rank) as (g, members):
         commlab.reduce_scatter(out, torch.full((10,), rank, dtype=torch.int64), group=g, algorithm=algorithm)
     return torch.equal(out, torch.full((5,), sum(members)))
 
@@ -170,46 +159,34 @@ def mismatched(rank, p, algorithm, what):
     dtype = torch.int32 if (what == "dtype" and rank == 1) else torch.float32
     op = dist.ReduceOp.MAX if (what == "op" and rank == 1) else dist.ReduceOp.SUM
     alg = algorithm if not (what == "algorithm" and rank == 1) else ("ring" if algorithm != "ring" else "rh")
-    g = dist.new_group(list(range(p)))  # a failed group stays failed: not the pool's default one
-    try:
-        if what == "collective" and rank == 1:
-            commlab.all_gather(torch.empty(p * n), torch.ones(n), group=g, algorithm="ring" if alg != "shm" else alg)
-        else:
-            commlab.reduce_scatter(torch.empty(n, dtype=dtype), torch.ones(p * n, dtype=dtype), op, group=g,
-                                   algorithm=alg)
-    except commlab.CollectiveMismatchError as e:
-        return "mismatch", str(e)
-    except commlab.CommlabError as e:
-        return type(e).__name__, str(e)
-    finally:
-        dist.destroy_process_group(g)
-    return "returned", ""
+    if what == "collective" and rank == 1:
+        return cases.mismatch_seen(p, lambda g: commlab.all_gather(torch.empty(p * n), torch.ones(n), group=g,
+                                                             algorithm="ring" if alg != "shm" else alg))
+    return cases.mismatch_seen(p, lambda g: commlab.reduce_scatter(torch.empty(n, dtype=dtype), torch.ones(p * n, dtype=dtype),
+                                                             op, group=g, algorithm=alg))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("what", ["size", "dtype", "op", "algorithm", "collective"])
 def test_a_mismatch_is_the_same_error_on_every_rank(ranks, algorithm, what):
-    got = ranks.run(3, mismatched, algorithm, what)
-    assert all(kind == "mismatch" for kind, _ in got), got
-    if algorithm not in ("shm", "auto", "hier"):  # on one host these are shm, whose texts say "this rank"
-        assert len({text for _, text in got}) == 1, got
+    cases.assert_mismatch_alike(ranks.run(3, mismatched, algorithm, what), algorithm)
 
 
 def wrong_input(rank, p, algorithm):
     inp = torch.ones(p * 8 + (1 if rank == 1 else 0))
-    return on_fresh_group(p, lambda g: commlab.reduce_scatter(torch.empty(8), inp, group=g, algorithm=algorithm))
+    return cases.on_fresh_group(p, lambda g: commlab.reduce_scatter(torch.empty(8), inp, group=g, algorithm=algorithm))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_a_rank_refusing_its_arguments_makes_every_peer_raise(ranks, algorithm):
-    assert_refusal_named(ranks.run(3, wrong_input, algorithm), "needs world size 3")
+    cases.assert_refusal_named(ranks.run(3, wrong_input, algorithm), "needs world size 3")
 
 
-@pytest.mark.parametrize("algorithm,fault", first_two_quick(
+@pytest.mark.parametrize("algorithm,fault", cases.first_two_quick(
     ("rh", "sigkill"), ("shm", "sigint"), ("ring", "sigint"), ("direct", "exception"), ("builtin", "sigkill"),
     ("ring", "error-in-call"), ("shm", "sigkill")))
 def test_a_failed_rank_makes_every_peer_raise_within_two_seconds(algorithm, fault):
-    assert_drill_named_rank_1(algorithm, fault, "reduce_scatter")
+    cases.assert_drill_named_rank_1(algorithm, fault, "reduce_scatter")
 
 
 def test_unsupported_calls_are_clear():
@@ -220,7 +197,7 @@ def test_unsupported_calls_are_clear():
 
 
 def across_hosts(rank, p, hosts, algorithm):
-    with emulated_host(hosts[rank]) as group:
+    with cases.emulated_host(hosts[rank]) as group:
         bad = []
         for n in (1, 5, 4099):  # 4099 float64 a block: several shm pieces of the tests' 16 KiB segments
             for dtype in (torch.float64, torch.int32):
@@ -228,17 +205,12 @@ def across_hosts(rank, p, hosts, algorithm):
                 commlab.reduce_scatter(out, data(rank, p * n, dtype, "sum"), group=group, algorithm=algorithm)
                 if not torch.equal(out, expected(p, n, dtype, "sum", rank)):
                     bad.append(f"{dtype} n={n}")
-        plan = commlab.api.reduce_scatter._plans.get(
-            (algorithm, id(dist.ReduceOp.SUM), id(group), torch.int32, True, False), dist.ReduceOp.SUM)
-        return bad, picked(plan, algorithm)
+        return bad, cases.picked_for("reduce_scatter", algorithm, group, torch.int32, dist.ReduceOp.SUM)
 
 
-@pytest.mark.parametrize("name", list(HOST_LAYOUTS))
+@pytest.mark.parametrize("name", list(cases.HOST_LAYOUTS))
 @pytest.mark.parametrize("algorithm", ["auto", "hier", "rh"])
 def test_across_emulated_hosts(ranks, name, algorithm):
-    p, hosts = HOST_LAYOUTS[name]
-    got = ranks.run(p, across_hosts, hosts, algorithm)
-    assert all(bad == [] for bad, _ in got), got
+    picks = cases.picks_across_hosts(ranks, name, across_hosts, algorithm)
     if algorithm == "auto":  # shm on one host, hier where a host has several ranks, the ring with one rank per host
-        want = {"1x3": "ring", "1 host": "shm"}.get(name, "hier")
-        assert {picked for _, picked in got} == {want}, got
+        assert picks == {{"1x3": "ring", "1 host": "shm"}.get(name, "hier")}, picks
