@@ -22,7 +22,6 @@ timed ones."""
 from __future__ import annotations
 
 import contextlib
-import datetime
 import resource
 import time
 import warnings
@@ -37,6 +36,7 @@ from commlab.training import fsdp, hooks, workloads
 from commlab.training.compare import metrics
 from commlab.training.compare.steps import (
     emulate_memory_limit,
+    start_rank,
     timed_default_hook,
     timed_micro_batch,
     timed_optimizer_step,
@@ -167,17 +167,7 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     their bytes are counted per call and their time read from the device in a profiled
     step, the last warm-up step (metrics.profiled_sync_ms)."""
     cuda = args["device"] == "cuda"
-    device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args["timeout"]))
-    if cuda and args["mem_limit_mb"]:
-        metrics.cap_gpu_memory(device, args["mem_limit_mb"])
-    rss_before_model = psutil.Process().memory_info().rss
-    torch.manual_seed(0)
-    wl = workloads.build(args["model"], **workloads.options(args))
-    model = wl.model.to(device)
+    device, wl, model, rss_before_model = start_rank(rank, world, args)
     comm = fsdp.CommStats()
     buckets_state = None
     zero_sync = {"s": 0.0, "bytes": 0, "steps": 0, "calls": []}

@@ -3,12 +3,33 @@ ZeRO-1's and FSDP's in sharded.py): DDP's default reduction timed per bucket, on
 optimizer step, the warm-up steps, and the emulated memory limit of CPU ranks."""
 from __future__ import annotations
 
+import datetime
 import time
 
+import psutil
 import torch
 import torch.distributed as dist
 
+from commlab.training import workloads
 from commlab.training.compare import metrics
+
+
+def start_rank(rank: int, world: int, args: dict, backend: str | None = None):
+    """What every mode's rank does first: its device, the process group (`backend`, else
+    NCCL on GPUs and gloo on CPUs), the emulated memory cap and the model, built from seed
+    0 on the device. Returns (device, the workload, its model, the RSS before the model)."""
+    cuda = args["device"] == "cuda"
+    device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend or ("nccl" if cuda else "gloo"), init_method="env://", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=args["timeout"]))
+    if cuda and args["mem_limit_mb"]:
+        metrics.cap_gpu_memory(device, args["mem_limit_mb"])
+    rss_before_model = psutil.Process().memory_info().rss
+    torch.manual_seed(0)
+    wl = workloads.build(args["model"], **workloads.options(args))
+    return device, wl, wl.model.to(device), rss_before_model
 
 
 def timed_default_hook(stats, bucket):

@@ -3,7 +3,6 @@ timed training steps) and the DataParallel process. Both return plain data."""
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import resource
 import time
@@ -20,6 +19,7 @@ from commlab.training.compare import metrics, report
 from commlab.training.compare.steps import (
     emulate_memory_limit,
     optimizer_step,
+    start_rank,
     timed_default_hook,
     timed_micro_batch,
     timed_optimizer_step,
@@ -186,20 +186,10 @@ def timed_on_device(mode: str, device: str, backend: str) -> bool:
 def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     """One DDP rank of a mode (run by the launcher in fresh processes); returns its measurements."""
     cuda = args["device"] == "cuda"
-    device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
     backend = "nccl" if cuda and not args["share_gpu"] else "gloo"
     m = Mode.parse(mode)
     backend = m.backend or backend  # ddp@commlab: DDP's default reduction on commlab's torch.distributed backend
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args["timeout"]))
-    if cuda and args["mem_limit_mb"]:
-        metrics.cap_gpu_memory(device, args["mem_limit_mb"])
-    rss_before_model = psutil.Process().memory_info().rss
-    torch.manual_seed(0)
-    wl = workloads.build(args["model"], **workloads.options(args))
-    model = wl.model.to(device)
+    device, wl, model, rss_before_model = start_rank(rank, world, args, backend)
     if args["checkpoint"]:
         # Inside the module DDP wraps: calling the inner module directly would bypass
         # DDP's forward, and with it the gradient synchronisation.
