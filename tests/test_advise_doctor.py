@@ -107,27 +107,26 @@ def test_where_nothing_fits_advise_predicts_accumulation_and_recomputation_at_th
     its figures those commlab.predict gives for the same flags; where even one sample per
     device does not fit, the least it could take is named (where the parameters, gradients
     and optimizer state alone do not fit, which neither option shrinks, nothing is tried)."""
-    from commlab.training.predict import model as M
-    from commlab.training.predict import per_mode
+    from commlab.training.predict import hardware, per_mode, replicated
 
     got = {}
     for limit in (120, 60, 16, 10):
         verdict, findings, rows = advise.predicted_sharding("rtx4090-pcie4", 4, "transformer", 256, 256, 2, None, limit)
         assert all(max(r["peak_memory_mb"]) > limit for r in rows)  # nothing fits as asked
         got[limit] = verdict, findings[-1]
-    prof = M.load_profile("rtx4090-pcie4")
+    prof = hardware.load_profile("rtx4090-pcie4")
     for limit in (120, 60):
         verdict, f = got[limit]
         mode = next(k for k, name in advise.SHARDING.items() if verdict.startswith(name + " with "))
         accum = int(verdict.split("--accum-steps ")[1]) if "--accum-steps" in verdict else 1
-        s = M.Setup("transformer", world=4, batch_size=256, width=256, depth=2, optimizer="adamw",
-                    checkpoint="--checkpoint" in verdict, accum_steps=accum)
+        s = replicated.Setup("transformer", world=4, batch_size=256, width=256, depth=2, optimizer="adamw",
+                             checkpoint="--checkpoint" in verdict, accum_steps=accum)
         again = per_mode.predict([mode], s, prof)[0]
         assert max(again["peak_memory_mb"]) <= limit and f"{max(again['peak_memory_mb']):.0f} MB" in f.reason
         assert f"{again['iter_ms']['median']:.1f} ms per iteration" in f.reason
         # The fastest that fits: no option tried is faster and fits.
-        for o in advise.remedies(M.Setup("transformer", world=4, batch_size=256, width=256, depth=2,
-                                         optimizer="adamw"), prof, limit, "cuda"):
+        for o in advise.remedies(replicated.Setup("transformer", world=4, batch_size=256, width=256, depth=2,
+                                                  optimizer="adamw"), prof, limit, "cuda"):
             assert not (o["fits"] and o["ms"] < again["iter_ms"]["median"] - 1e-9), o
     assert got[60][0] != got[120][0]  # a tighter limit needs smaller micro-steps
     verdict, f = got[16]  # the tensors fit, not even one sample per device beside them

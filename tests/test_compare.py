@@ -92,8 +92,7 @@ def test_sharded_modes_accumulate_autocast_and_checkpoint_as_ddp_does():
     flags puts the same bytes on the wire and each rank's tensor bytes within 10 %."""
     from commlab.training import workloads
     from commlab.training.compare import modes
-    from commlab.training.predict import model as M
-    from commlab.training.predict import per_mode
+    from commlab.training.predict import hardware, per_mode, replicated
 
     args = {"device": "cpu", "share_gpu": False, "timeout": 60.0, "mem_limit_mb": None, "model": "transformer",
             "width": 64, "depth": 2, "input_shape": None, "checkpoint": False, "bucket_cap_mb": 25.0, "lr": 1e-3,
@@ -101,9 +100,9 @@ def test_sharded_modes_accumulate_autocast_and_checkpoint_as_ddp_does():
             "mode_timeout": 240.0, "threads": 1, "return_params": True}
     n = sum(t.numel() for t in workloads.build("transformer", width=64, depth=2).model.parameters())
     fit = {"alpha_us": 50.0, "beta_us_per_byte": 1e-3, "gamma_us_per_byte": 1e-4}
-    host = M.Profile(name="t", description="", device="cpu", memory_bytes=0.0, memory_bandwidth_gbps=0.0,
-                     peak_tflops={}, link={}, compute_ms=100.0, overlap=False,
-                     fits={c: {"builtin": fit, "shm": fit} for c in ("all_reduce", "all_gather", "reduce_scatter",
+    host = hardware.Profile(name="t", description="", device="cpu", memory_bytes=0.0, memory_bandwidth_gbps=0.0,
+                            peak_tflops={}, link={}, compute_ms=100.0, overlap=False,
+                            fits={c: {"builtin": fit, "shm": fit} for c in ("all_reduce", "all_gather", "reduce_scatter",
                                                                      "broadcast")})
     for flags, chosen in (({}, ("ddp", "zero1", "fsdp:shm")),
                           ({"amp": "fp16", "checkpoint": True}, ("ddp", "zero1", "fsdp", "fsdp:noreshard"))):
@@ -121,8 +120,8 @@ def test_sharded_modes_accumulate_autocast_and_checkpoint_as_ddp_does():
         for m, k in (("zero1", 2), ("fsdp", 5), ("fsdp:shm", 5), ("fsdp:noreshard", 3)):
             if m in rows:
                 assert rows[m]["comm_mb"] * 2**20 == pytest.approx(k * 4 * n, rel=0.05), (flags, m)
-        setup = M.Setup(model="transformer", world=2, batch_size=8, width=64, depth=2, optimizer="adamw",
-                        amp=run["amp"], checkpoint=run["checkpoint"], accum_steps=2)
+        setup = replicated.Setup(model="transformer", world=2, batch_size=8, width=64, depth=2, optimizer="adamw",
+                                 amp=run["amp"], checkpoint=run["checkpoint"], accum_steps=2)
         for r in per_mode.predict(list(rows), setup, host):
             got = rows[r["mode"]]
             assert r["comm_mb"] == pytest.approx(got["comm_mb"], rel=0.01), (flags, r["mode"])
@@ -180,15 +179,14 @@ def test_sharded_modes_train_alike_and_hold_what_the_formulas_say():
         assert rows[m]["comm_mb"] * mib == pytest.approx(4 * k * n, rel=0.05), (m, rows[m]["comm_mb"])
     # commlab.predict follows the same tensors through its schedule of the step: each
     # mode's peak within 10 % of what the ranks measured, and the same bytes on the wire.
-    from commlab.training.predict import model as M
-    from commlab.training.predict import per_mode
+    from commlab.training.predict import hardware, per_mode, replicated
 
     fit = {"alpha_us": 50.0, "beta_us_per_byte": 1e-3, "gamma_us_per_byte": 1e-4}
-    host = M.Profile(name="t", description="", device="cpu", memory_bytes=0.0, memory_bandwidth_gbps=0.0,
-                     peak_tflops={}, link={}, compute_ms=100.0, overlap=False,
-                     fits={c: {"builtin": fit, "shm": fit} for c in ("all_reduce", "all_gather", "reduce_scatter",
+    host = hardware.Profile(name="t", description="", device="cpu", memory_bytes=0.0, memory_bandwidth_gbps=0.0,
+                            peak_tflops={}, link={}, compute_ms=100.0, overlap=False,
+                            fits={c: {"builtin": fit, "shm": fit} for c in ("all_reduce", "all_gather", "reduce_scatter",
                                                                      "broadcast")})
-    setup = M.Setup(model="transformer", world=p, batch_size=8, width=64, depth=2, optimizer="adamw")
+    setup = replicated.Setup(model="transformer", world=p, batch_size=8, width=64, depth=2, optimizer="adamw")
     for r in per_mode.predict(list(rows), setup, host):
         assert r["status"] == "ok", r
         got = rows[r["mode"]]

@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commlab.training.predict import model as M
-from commlab.training.predict import per_mode
+from commlab.training.predict import hardware, per_mode, replicated
 from commlab.training.predict.graph import trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,11 +114,11 @@ def test_a_recomputed_block_gets_its_keyword_arguments_and_the_same_gradients():
                                       pytest.param("resnet50", 5, marks=needs_torchvision), ("transformer", 25), ("mlp", 1)])
 def test_buckets_are_the_ones_ddps_reducer_rebuilds(name, cap):
     st = trace(name, 1)
-    order = M.ready_order(st)
+    order = replicated.ready_order(st)
     tensors = [torch.empty(st.params[i] // 4) for i in order]  # the reducer's rebuilt order, sizes as they come
-    want, _ = dist._compute_bucket_assignment_by_size(tensors, [M.FIRST_BUCKET_BYTES, cap << 20],
+    want, _ = dist._compute_bucket_assignment_by_size(tensors, [replicated.FIRST_BUCKET_BYTES, cap << 20],
                                                       [False] * len(order), order)
-    assert M.buckets(st.params, cap, order) == want
+    assert replicated.buckets(st.params, cap, order) == want
 
 
 def test_ddp_given_its_cap_makes_the_first_bucket_that_size_too(tmp_path):
@@ -134,12 +133,12 @@ def test_ddp_given_its_cap_makes_the_first_bucket_that_size_too(tmp_path):
     counts = {}
     for given, cap in ((True, 25), (False, None)):
         first = Config.create(cap, None, False).first_bucket_bytes_cap
-        s = M.Setup("transformer", world=4, batch_size=16, width=128, depth=2, bucket_cap_given=given)
-        st = M.Steps(s).at(4)
-        order = M.ready_order(st)
+        s = replicated.Setup("transformer", world=4, batch_size=16, width=128, depth=2, bucket_cap_given=given)
+        st = replicated.Steps(s).at(4)
+        order = replicated.ready_order(st)
         tensors = [torch.empty(st.params[i] // 4) for i in order]
         want, _ = dist._compute_bucket_assignment_by_size(tensors, [first, 25 << 20], [False] * len(order), order)
-        row = per_mode.predict(["ddp"], s, M.load_profile("rtx4090-pcie4"), M.Steps(s))[0]
+        row = per_mode.predict(["ddp"], s, hardware.load_profile("rtx4090-pcie4"), replicated.Steps(s))[0]
         assert row["breakdown"]["buckets"] == len(want), given
         counts[given] = len(want)
     assert counts[False] == counts[True] + 1  # this model: the 1 MiB first bucket is one more
@@ -156,18 +155,18 @@ def test_ddp_given_its_cap_makes_the_first_bucket_that_size_too(tmp_path):
 
 
 def test_a_profile_prices_compute_and_links_from_its_own_numbers():
-    prof = M.load_profile("rtx4090-pcie4")
-    s = M.Setup("mlp", world=4, batch_size=256, width=1024, depth=4)
-    steps = M.Steps(s)
+    prof = hardware.load_profile("rtx4090-pcie4")
+    s = replicated.Setup("mlp", world=4, batch_size=256, width=1024, depth=4)
+    steps = replicated.Steps(s)
     st = steps.at(64)
     exact = trace("mlp", 64)
     assert [o.flops for o in st.ops] == pytest.approx([o.flops for o in exact.ops])  # affine in the batch
-    t = M.op_times_us(st, prof, None)
+    t = hardware.op_times_us(st, prof, None)
     for o, us in zip(st.ops, t):  # a roofline: never faster than either limit
         assert us >= o.bytes / (prof.memory_bandwidth_gbps * 1e3) - 1e-9
         assert us >= o.flops / (max(prof.peak_tflops.values()) * 1e6) - 1e-9
     n = 25 << 20
-    ring = M.allreduce_us(prof, "builtin", 4, n)
+    ring = hardware.allreduce_us(prof, "builtin", 4, n)
     assert ring == pytest.approx(8.4 + 6 * 5.7 + 1.5 * n / 28.8e3 + 0.75 * n * 3 / 1008e3)
     rows = {r["mode"]: r for r in per_mode.predict(["dp", "ddp", "ddp:noop", "ddp:ring", "ddp:nope"], s, prof, steps)}
     assert rows["ddp:nope"]["status"] == "unavailable"
@@ -187,9 +186,9 @@ def test_a_profile_prices_compute_and_links_from_its_own_numbers():
 
 @needs_torchvision
 def test_a_faster_link_shrinks_only_communication():
-    s = M.Setup("resnet50", world=4, batch_size=128)
-    steps = M.Steps(s)
-    slow, fast = M.load_profile("rtx4090-pcie4"), M.load_profile("rtx4090-pcie4")
+    s = replicated.Setup("resnet50", world=4, batch_size=128)
+    steps = replicated.Steps(s)
+    slow, fast = hardware.load_profile("rtx4090-pcie4"), hardware.load_profile("rtx4090-pcie4")
     fast.link = dict(fast.link, gbps=10 * fast.link["gbps"])
     a, b = (per_mode.predict(["ddp", "dp"], s, p, steps) for p in (slow, fast))
     assert b[0]["grad_sync_ms"]["total"] < a[0]["grad_sync_ms"]["total"] and b[1]["iter_ms"]["median"] < a[1]["iter_ms"]["median"]
@@ -201,13 +200,13 @@ def test_where_ranks_outnumber_cores_the_buckets_share_backwards_cores():
     backward needed, which slowed backward and left 58 ms after it (compare, 2026-12-05,
     the 100 M-parameter transformer); the model ran every bucket after backward (388 ms
     exposed). Processor sharing: each at half speed while both run."""
-    assert M.shared_cores([10.0], [5.0], 10.0) == (10.0, 15.0)  # ready at the end: all of it exposed
-    assert M.shared_cores([0.0], [4.0], 10.0) == pytest.approx((14.0, 14.0))  # both at half speed for 8
-    assert M.shared_cores([0.0, 10.0], [4.0, 3.0], 10.0) == pytest.approx((14.0, 17.0))
+    assert replicated.shared_cores([10.0], [5.0], 10.0) == (10.0, 15.0)  # ready at the end: all of it exposed
+    assert replicated.shared_cores([0.0], [4.0], 10.0) == pytest.approx((14.0, 14.0))  # both at half speed for 8
+    assert replicated.shared_cores([0.0, 10.0], [4.0, 3.0], 10.0) == pytest.approx((14.0, 17.0))
     import dataclasses
 
-    prof = dataclasses.replace(M.load_profile("rtx4090-pcie4"), overlap=False)
-    s = M.Setup("mlp", world=4, batch_size=256, width=1024, depth=4, bucket_cap_mb=1)
+    prof = dataclasses.replace(hardware.load_profile("rtx4090-pcie4"), overlap=False)
+    s = replicated.Setup("mlp", world=4, batch_size=256, width=1024, depth=4, bucket_cap_mb=1)
     rows = {r["mode"]: r for r in per_mode.predict(["ddp", "ddp:noop"], s, prof)}
     ddp, noop = rows["ddp"], rows["ddp:noop"]
     sync = ddp["grad_sync_ms"]
@@ -223,16 +222,16 @@ def test_the_peak_at_a_larger_batch_is_the_one_traced_there():
     activations: one line through the two traced peaks put a transformer's 8 % low at
     2.5x the batch and further below beyond (--find-max-batch 40x too high for a 1.3B
     model on a 4090); each moment's bytes, followed one by one, give the traced peak."""
-    s = M.Setup("transformer", world=1, batch_size=2, width=256, depth=4)
-    steps = M.Steps(s)
+    s = replicated.Setup("transformer", world=1, batch_size=2, width=256, depth=4)
+    steps = replicated.Steps(s)
     for b in (2, 5, 32):
         assert steps.at(b).peak_bytes == pytest.approx(trace("transformer", b, width=256, depth=4).peak_bytes,
                                                        rel=1e-6), b
 
 
 def _sharded(prof, modes=("ddp", "zero1", "fsdp", "fsdp:noreshard", "fsdp:ring"), p=4):
-    s = M.Setup("transformer", world=p, batch_size=16, width=256, depth=4, optimizer="adamw")
-    steps = M.Steps(s)
+    s = replicated.Setup("transformer", world=p, batch_size=16, width=256, depth=4, optimizer="adamw")
+    steps = replicated.Steps(s)
     return steps.at(s.batch_size // p), {r["mode"]: r for r in per_mode.predict(list(modes), s, prof, steps)}
 
 
@@ -241,7 +240,7 @@ def test_sharding_divides_what_each_device_holds_as_the_formulas_say():
     Adam / p; FSDP all of it / p plus what is gathered (a block and the next one
     prefetched, or every block without resharding); bytes per step 1, 2, 3, 2 × the
     parameters (the root, kept gathered, is not gathered again for backward)."""
-    prof, p = M.load_profile("h100-sxm-nvlink"), 4
+    prof, p = hardware.load_profile("h100-sxm-nvlink"), 4
     st, rows = _sharded(prof, p=p)
     n = st.param_bytes
     unit = max(sum(st.params[i] for i in u.params) for u in st.units[:-1])
@@ -270,11 +269,11 @@ def test_zero1_saves_ddp_exactly_the_sharded_optimizer_state_with_or_without_che
     modes counted only the activations forward saves, where DDP counts the step's traced
     peak: under --checkpoint (then the whole model, recomputed in backward all at once)
     ZeRO-1 came out at 29 MB against DDP's 185, and 40 MB apart without it."""
-    prof, p = M.load_profile("rtx4090-pcie4"), 4
+    prof, p = hardware.load_profile("rtx4090-pcie4"), 4
     for checkpoint in (False, True):
-        s = M.Setup("transformer", world=p, batch_size=256, width=256, depth=2, optimizer="adamw",
-                    checkpoint=checkpoint)
-        steps = M.Steps(s)
+        s = replicated.Setup("transformer", world=p, batch_size=256, width=256, depth=2, optimizer="adamw",
+                             checkpoint=checkpoint)
+        steps = replicated.Steps(s)
         rows = {r["mode"]: r for r in per_mode.predict(["ddp", "zero1", "fsdp"], s, prof, steps)}
         state = 2 * steps.at(s.micro_batch()).param_bytes  # AdamW's two moments
         ddp, zero1 = (max(rows[m]["peak_memory_mb"]) * 2**20 for m in ("ddp", "zero1"))
@@ -286,8 +285,8 @@ def test_fsdp_schedule_hides_its_collectives_only_where_they_can_overlap():
     """A link with no cost leaves FSDP the compute and its sharded optimizer step; where
     ranks outnumber cores (no overlap) every collective is exposed; with overlap some
     of them hide behind forward and backward."""
-    prof = M.load_profile("rtx4090-pcie4")
-    free = M.load_profile("rtx4090-pcie4")
+    prof = hardware.load_profile("rtx4090-pcie4")
+    free = hardware.load_profile("rtx4090-pcie4")
     free.link = dict(free.link, gbps=1e12, call_latency_us=0.0, step_latency_us=0.0)
     free.memory_bandwidth_gbps = 1e12  # no reduction cost either (it is not compute the trace saw)
     _, rows = _sharded(free)
@@ -331,10 +330,10 @@ def test_this_host_fits_every_collective_the_sharded_modes_use():
         "all_gather": ["builtin", "shm"], "reduce_scatter": ["builtin", "shm"]}
     p, a, b = 4, 30.0, 2e-3  # α µs, β µs/B: what the synthetic benches below are made of
     benches = [_affine_bench(c, names, p, a, b) for c, names in host_collectives(["ddp", "zero1", "fsdp:shm"]).items()]
-    prof = M.this_host(benches, compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0)
+    prof = hardware.this_host(benches, compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0)
     assert prof.fits["all_gather"]["shm"]["alpha_us"] == pytest.approx(a, rel=1e-3)
-    s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
-    steps = M.Steps(s)
+    s = replicated.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
+    steps = replicated.Steps(s)
     row = per_mode.predict(["fsdp:shm"], s, prof, steps)[0]
     st = steps.at(2)
     sizes = [sum(st.params[i] for i in u.params) for u in st.units]  # blocks, then the root
@@ -347,8 +346,8 @@ def test_this_host_fits_every_collective_the_sharded_modes_use():
     assert row["iter_ms"]["median"] > 500.0 - 0.75 * 50.0 + (want - 5.0e3) / 1e3
     # Each call's fresh output is first written inside it: the page faults the bench's
     # reused buffers never pay, measured on one idle process, stretched as 4 ranks share 2 cores.
-    touched = M.this_host(benches, compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0,
-                          first_touch_us_per_byte=1e-4)
+    touched = hardware.this_host(benches, compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0,
+                                 first_touch_us_per_byte=1e-4)
     again = per_mode.predict(["fsdp:shm"], s, touched, steps)[0]
     outputs = sum(2 * n + n / p for n in sizes[:-1]) + sizes[-1] + sizes[-1] / p
     assert (again["grad_sync_ms"]["total"] - row["grad_sync_ms"]["total"]) * 1e3 == pytest.approx(
@@ -359,10 +358,10 @@ def test_this_host_fits_every_collective_the_sharded_modes_use():
     # 50 MB ones 40.6). A size pays the rate measured at the largest size not above it.
     big = max(sizes[:-1])
     table = [[1, 0.0], [big, 1e-4]]  # faults only from the blocks' size up
-    stepped = M.this_host(benches, compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0,
-                          first_touch_us_per_byte=table)
+    stepped = hardware.this_host(benches, compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0,
+                                 first_touch_us_per_byte=table)
     assert stepped.first_touch_us_per_byte == [[1, 0.0], [big, 2e-4]]  # stretched: 4 ranks share 2 cores
-    assert M.first_touch_us(stepped, big - 1) == 0.0 and M.first_touch_us(stepped, big) == pytest.approx(2e-4 * big)
+    assert hardware.first_touch_us(stepped, big - 1) == 0.0 and hardware.first_touch_us(stepped, big) == pytest.approx(2e-4 * big)
     third = per_mode.predict(["fsdp:shm"], s, stepped, steps)[0]
     gathered = sum(2 * n for n in sizes[:-1] if n >= big) + (sizes[-1] if sizes[-1] >= big else 0)
     assert (third["grad_sync_ms"]["total"] - row["grad_sync_ms"]["total"]) * 1e3 == pytest.approx(
@@ -379,11 +378,11 @@ def test_this_host_charges_fsdp_the_waits_at_every_unit():
     names = ("shm", "builtin")  # fsdp:shm's, and FSDP2's own (gloo's) that fsdp:noreshard calls
     benches = [_affine_bench(c, names, p, a, b) for c in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")]
     kw = dict(compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0)
-    base = M.this_host(benches, **kw)
-    units = M.this_host(benches, **kw, unit_waits_ms={"fbe": 70.0, "fe": 30.0, "unused": None})
+    base = hardware.this_host(benches, **kw)
+    units = hardware.this_host(benches, **kw, unit_waits_ms={"fbe": 70.0, "fe": 30.0, "unused": None})
     assert units.unit_waits_ms == {"fbe": 70.0, "fe": 30.0}
-    s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
-    steps = M.Steps(s)
+    s = replicated.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
+    steps = replicated.Steps(s)
     modes = ["ddp", "zero1", "fsdp:shm", "fsdp:noreshard"]
     before = {r["mode"]: r["grad_sync_ms"] for r in per_mode.predict(modes, s, base, steps)}
     after = {r["mode"]: r["grad_sync_ms"] for r in per_mode.predict(modes, s, units, steps)}
@@ -395,15 +394,15 @@ def test_this_host_charges_fsdp_the_waits_at_every_unit():
         assert "exposed_se" not in after[mode]  # no step-to-step spread measured: no ±
     # Each carries the standard error of the wait it is charged, over ddp:noop's steps: the
     # ± of compare's exposed row (the one figure's for DDP and ZeRO-1; FSDP's by its kinds).
-    spread = M.this_host(benches, **kw, unit_waits_ms={"fbe": 70.0, "fe": 30.0},
-                         wait_se_ms={"step": 2.0, "fbe": 9.0, "fe": 4.0, "unused": None})
+    spread = hardware.this_host(benches, **kw, unit_waits_ms={"fbe": 70.0, "fe": 30.0},
+                                wait_se_ms={"step": 2.0, "fbe": 9.0, "fe": 4.0, "unused": None})
     assert spread.wait_se_ms == {"step": 2.0, "fbe": 9.0, "fe": 4.0}
     got = {r["mode"]: r["grad_sync_ms"] for r in per_mode.predict(modes, s, spread, steps)}
     assert {m: got[m]["exposed_se"] for m in modes} == {"ddp": 2.0, "zero1": 2.0, "fsdp:shm": 9.0,
                                                         "fsdp:noreshard": 4.0}
     assert {m: got[m]["exposed"] for m in modes} == {m: after[m]["exposed"] for m in modes}
     # Without the marks FSDP is charged the one figure, and its spread.
-    no_units = M.this_host(benches, **kw, wait_se_ms={"step": 2.0})
+    no_units = hardware.this_host(benches, **kw, wait_se_ms={"step": 2.0})
     assert per_mode.predict(["fsdp:shm"], s, no_units, steps)[0]["grad_sync_ms"]["exposed_se"] == 2.0
 
 
@@ -415,16 +414,16 @@ def test_this_host_charges_ddp_the_drift_through_its_optimizer_and_zero1_not():
     names = ("builtin",)
     benches = [_affine_bench(c, names, p, a, b) for c in ("all_reduce", "broadcast")]
     kw = dict(compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=40.0, optimizer_ms=50.0)
-    s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
-    steps = M.Steps(s)
-    prof = M.this_host(benches, **kw, unit_waits_ms={"step_start": 15.0}, wait_se_ms={"step": 4.0, "step_start": 3.0})
+    s = replicated.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
+    steps = replicated.Steps(s)
+    prof = hardware.this_host(benches, **kw, unit_waits_ms={"step_start": 15.0}, wait_se_ms={"step": 4.0, "step_start": 3.0})
     got = {r["mode"]: r for r in per_mode.predict(["ddp", "zero1"], s, prof, steps)}
     for mode, wait, se in (("ddp", 40.0, 4.0), ("zero1", 15.0, 3.0)):
         sync = got[mode]["grad_sync_ms"]
         assert sync["exposed"] - sync["after_arrival"] == pytest.approx(wait), mode
         assert sync["exposed_se"] == se, mode
     # ZeRO-1's other figures are DDP's, its broadcasts added: only the wait differs.
-    old = {r["mode"]: r for r in per_mode.predict(["ddp", "zero1"], s, M.this_host(benches, **kw), steps)}
+    old = {r["mode"]: r for r in per_mode.predict(["ddp", "zero1"], s, hardware.this_host(benches, **kw), steps)}
     z, z0 = got["zero1"]["grad_sync_ms"], old["zero1"]["grad_sync_ms"]
     assert z["after_arrival"] == pytest.approx(z0["after_arrival"])
     assert z["total"] == pytest.approx(z0["total"] - 40.0 + 15.0)
@@ -443,13 +442,13 @@ def test_this_host_prices_fsdps_calls_as_training_issues_them():
     benches = [_affine_bench(c, names, p, a, b) for c in ("all_reduce", "all_gather", "reduce_scatter")]
     kw = dict(compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0,
               unit_waits_ms={"fbe": 7.0, "fe": 3.0})
-    base = M.this_host(benches, **kw)
-    at16 = {c: {n: M.collective_us(base, c, n, p, n16) for n in names} for c in ("all_gather", "reduce_scatter")}
+    base = hardware.this_host(benches, **kw)
+    at16 = {c: {n: hardware.collective_us(base, c, n, p, n16) for n in names} for c in ("all_gather", "reduce_scatter")}
     probe = {c: {n: {"after_us": 2 * t, "exit_spread_us": 0.5 * t, "bytes": n16} for n, t in by.items()}
              for c, by in at16.items()}
-    slow = M.this_host(benches, **kw, in_training=probe)
-    s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
-    steps = M.Steps(s)
+    slow = hardware.this_host(benches, **kw, in_training=probe)
+    s = replicated.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
+    steps = replicated.Steps(s)
     for mode, drift in (("fsdp:shm", 7.0), ("fsdp:noreshard", 3.0)):
         before = per_mode.predict([mode], s, base, steps)[0]["grad_sync_ms"]
         after = per_mode.predict([mode], s, slow, steps)[0]["grad_sync_ms"]
@@ -461,14 +460,14 @@ def test_this_host_prices_fsdps_calls_as_training_issues_them():
         # The probe's calls write fresh buffers as FSDP2's do: their page faults are in its
         # ratio, not charged again; without a probe a fresh output's faults are.
         touch = dict(first_touch_us_per_byte=1e-4)
-        probed = per_mode.predict([mode], s, M.this_host(benches, **kw, **touch, in_training=probe), steps)[0]
+        probed = per_mode.predict([mode], s, hardware.this_host(benches, **kw, **touch, in_training=probe), steps)[0]
         assert probed["grad_sync_ms"]["after_arrival"] == pytest.approx(after["after_arrival"], rel=1e-9)
-        unprobed = per_mode.predict([mode], s, M.this_host(benches, **kw, **touch), steps)[0]
+        unprobed = per_mode.predict([mode], s, hardware.this_host(benches, **kw, **touch), steps)[0]
         assert unprobed["grad_sync_ms"]["after_arrival"] > before["after_arrival"]
         # A probe that timed nothing (no call after the last arrival) is no probe: the
         # bench's time and the fresh output's faults, as without one.
         empty = {c: {n: {**v, "after_us": 0.0} for n, v in by.items()} for c, by in probe.items()}
-        void = per_mode.predict([mode], s, M.this_host(benches, **kw, **touch, in_training=empty), steps)[0]
+        void = per_mode.predict([mode], s, hardware.this_host(benches, **kw, **touch, in_training=empty), steps)[0]
         assert void["grad_sync_ms"] == pytest.approx(unprobed["grad_sync_ms"], rel=1e-9)
 
 
@@ -485,8 +484,8 @@ def test_this_host_prices_fsdps_calls_between_the_allocators_two_states():
     benches = [_affine_bench(c, names, p, a, b) for c in ("all_reduce", "all_gather", "reduce_scatter")]
     kw = dict(compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0,
               unit_waits_ms={"fbe": 7.0, "fe": 3.0}, wait_se_ms={"fbe": 0.3, "fe": 0.4})
-    base = M.this_host(benches, **kw)
-    at16 = {c: {n: M.collective_us(base, c, n, p, n16) for n in names} for c in ("all_gather", "reduce_scatter")}
+    base = hardware.this_host(benches, **kw)
+    at16 = {c: {n: hardware.collective_us(base, c, n, p, n16) for n in names} for c in ("all_gather", "reduce_scatter")}
 
     def probe(k):
         return {c: {n: {"after_us": k * t, "exit_spread_us": 0.25 * k * t, "bytes": n16} for n, t in by.items()}
@@ -496,10 +495,10 @@ def test_this_host_prices_fsdps_calls_between_the_allocators_two_states():
     for c, by in both.items():
         for n in by:
             by[n]["reused"] = probe(1.5)[c][n]
-    s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
-    steps = M.Steps(s)
+    s = replicated.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
+    steps = replicated.Steps(s)
     for mode in ("fsdp", "fsdp:shm", "fsdp:noreshard"):
-        fresh, recycled, mid = (per_mode.predict([mode], s, M.this_host(benches, **kw, in_training=pr), steps)[0]
+        fresh, recycled, mid = (per_mode.predict([mode], s, hardware.this_host(benches, **kw, in_training=pr), steps)[0]
                                 for pr in (probe(3.0), probe(1.5), both))
         for key in ("exposed", "after_arrival", "total"):
             assert mid["grad_sync_ms"][key] == pytest.approx(
@@ -527,13 +526,13 @@ def test_this_host_prices_what_is_left_of_ddps_buckets_after_backward_as_the_pro
     p, a, b, n = 4, 30.0, 2e-3, 8 << 20
     benches = [_affine_bench("all_reduce", ("builtin", "shm"), p, a, b)]
     kw = dict(compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0)
-    base = M.this_host(benches, **kw)
-    s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, bucket_cap_mb=0.05)
-    steps = M.Steps(s)
-    probe = {"all_reduce": {"builtin": {"after_us": 3 * M.collective_us(base, "all_reduce", "builtin", p, n),
+    base = hardware.this_host(benches, **kw)
+    s = replicated.Setup("transformer", world=p, batch_size=8, width=128, depth=2, bucket_cap_mb=0.05)
+    steps = replicated.Steps(s)
+    probe = {"all_reduce": {"builtin": {"after_us": 3 * hardware.collective_us(base, "all_reduce", "builtin", p, n),
                                         "exit_spread_us": 0.0, "bytes": n}}}
     probe["all_reduce"]["builtin"]["exit_spread_us"] = probe["all_reduce"]["builtin"]["after_us"] / 10
-    slow = M.this_host(benches, **kw, in_training=probe)
+    slow = hardware.this_host(benches, **kw, in_training=probe)
     before = per_mode.predict(["ddp", "ddp:shm"], s, base, steps)
     after = per_mode.predict(["ddp", "ddp:shm"], s, slow, steps)
     tail = before[0]["grad_sync_ms"]["after_arrival"]
@@ -563,26 +562,26 @@ def test_this_host_prices_zero1s_broadcasts_as_its_probe_timed_them_together():
     benches = [_affine_bench(c, ("builtin",), p, a, b) for c in ("all_reduce", "broadcast")]
     kw = dict(compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0,
               unit_waits_ms={"step_start": 4.0})
-    s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
-    steps = M.Steps(s)
-    base = M.this_host(benches, **kw)
+    s = replicated.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
+    steps = replicated.Steps(s)
+    base = hardware.this_host(benches, **kw)
     params = steps.at(steps.b).params
-    priced = sum(M.collective_us(base, "broadcast", "builtin", p, n) for n in params)
+    priced = sum(hardware.collective_us(base, "broadcast", "builtin", p, n) for n in params)
     probe = {ZERO1: {"builtin": {"after_us": 0.6 * priced, "exit_spread_us": 0.1 * priced, "bytes": sum(params),
                                  "sizes": list(params)}}}
     before = per_mode.predict(["zero1"], s, base, steps)[0]
-    after = per_mode.predict(["zero1"], s, M.this_host(benches, **kw, in_training=probe), steps)[0]
+    after = per_mode.predict(["zero1"], s, hardware.this_host(benches, **kw, in_training=probe), steps)[0]
     assert before["breakdown"]["broadcast_ms"] == pytest.approx(priced / 1e3)
     assert after["breakdown"]["broadcast_ms"] == pytest.approx(0.6 * priced / 1e3)
-    assert S.zero1_broadcasts_us(M.this_host(benches, **kw, in_training=probe), p, params) == pytest.approx(
+    assert S.zero1_broadcasts_us(hardware.this_host(benches, **kw, in_training=probe), p, params) == pytest.approx(
         (0.6 * priced, 0.1 * priced))
     gap = lambda r: r["grad_sync_ms"]["exposed"] - r["grad_sync_ms"]["after_arrival"]  # noqa: E731
     assert gap(before) == pytest.approx(4.0) and gap(after) == pytest.approx(4.0 + 0.1 * priced / 1e3)
     assert after["iter_ms"]["median"] == pytest.approx(before["iter_ms"]["median"] - 0.4 * priced / 1e3)
     # Probed with other parameters (another model): the same ratio to the bench's price.
     half = {ZERO1: {"builtin": dict(probe[ZERO1]["builtin"], sizes=params[: len(params) // 2])}}
-    half_priced = sum(M.collective_us(base, "broadcast", "builtin", p, n) for n in params[: len(params) // 2])
-    got, _ = S.zero1_broadcasts_us(M.this_host(benches, **kw, in_training=half), p, params)
+    half_priced = sum(hardware.collective_us(base, "broadcast", "builtin", p, n) for n in params[: len(params) // 2])
+    got, _ = S.zero1_broadcasts_us(hardware.this_host(benches, **kw, in_training=half), p, params)
     assert got == pytest.approx(priced * 0.6 * priced / half_priced)
 
 
@@ -599,12 +598,12 @@ def test_this_host_charges_zero1_the_wait_at_its_broadcasts_after_its_optimizer(
     benches = [_affine_bench(c, ("builtin",), p, a, b) for c in ("all_reduce", "broadcast")]
     kw = dict(compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=40.0, optimizer_ms=80.0,
               unit_waits_ms={"step_start": 15.0}, wait_se_ms={"step": 4.0, "step_start": 3.0})
-    s = M.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
-    steps = M.Steps(s)
+    s = replicated.Setup("transformer", world=p, batch_size=8, width=128, depth=2, optimizer="adamw")
+    steps = replicated.Steps(s)
     phase = {"after_us": 5e3, "exit_spread_us": 0.0, "bytes": 1, "sizes": [1], "state": "adamw",
              "wait_mean_us": 30e3, "wait_mean_se_us": 4e3, "work_to_last_us": 50e3}
     fixed = dict(phase, state="fresh")
-    before, after = (per_mode.predict(["zero1"], s, M.this_host(benches, **kw, in_training={ZERO1: {"builtin": g}}), steps)[0]
+    before, after = (per_mode.predict(["zero1"], s, hardware.this_host(benches, **kw, in_training={ZERO1: {"builtin": g}}), steps)[0]
                      for g in (fixed, phase))
     gap = lambda r: r["grad_sync_ms"]["exposed"] - r["grad_sync_ms"]["after_arrival"]  # noqa: E731
     assert gap(before) == pytest.approx(15.0) and before["grad_sync_ms"]["exposed_se"] == 3.0
@@ -615,7 +614,7 @@ def test_this_host_charges_zero1_the_wait_at_its_broadcasts_after_its_optimizer(
     # A hardware profile: a device per rank, 1/p of the optimizer and no wait there.
     from commlab.training.predict import sharded as S
 
-    assert S.zero1_optimizer_us(M.load_profile("h100-sxm-nvlink"), 8, 800.0) == (100.0, 0.0, None)
+    assert S.zero1_optimizer_us(hardware.load_profile("h100-sxm-nvlink"), 8, 800.0) == (100.0, 0.0, None)
 
 
 def test_this_host_prices_a_call_from_the_bench_times_around_its_size():
@@ -626,21 +625,21 @@ def test_this_host_prices_a_call_from_the_bench_times_around_its_size():
     times = {4096: 1000.0, 1 << 20: 2000.0, 16 << 20: 14000.0, 64 << 20: 100000.0}
     bench = {"collective": "all_gather", "env": {"world_size": 4, "gamma_us_per_byte": 3e-5},
              "results": [{"algorithm": "builtin", "bytes": n, "time_us": t} for n, t in times.items()]}
-    prof = M.this_host([bench], compute_ms=100.0, ranks=4, cores=2)
+    prof = hardware.this_host([bench], compute_ms=100.0, ranks=4, cores=2)
     for n, t in times.items():
-        assert M.collective_us(prof, "all_gather", "builtin", 4, n) == pytest.approx(t)
-    assert M.collective_us(prof, "all_gather", "builtin", 4, 48 << 20) == pytest.approx(14000 + 86000 * 32 / 48)
+        assert hardware.collective_us(prof, "all_gather", "builtin", 4, n) == pytest.approx(t)
+    assert hardware.collective_us(prof, "all_gather", "builtin", 4, 48 << 20) == pytest.approx(14000 + 86000 * 32 / 48)
     f = prof.fits["all_gather"]["builtin"]
     from commlab import algorithms
 
     fitted = algorithms.registry("all_gather").get("builtin").cost(4, 128 << 20).time(
         f["alpha_us"], f["beta_us_per_byte"], f["gamma_us_per_byte"])
-    assert M.collective_us(prof, "all_gather", "builtin", 4, 128 << 20) == pytest.approx(fitted)
+    assert hardware.collective_us(prof, "all_gather", "builtin", 4, 128 << 20) == pytest.approx(fitted)
 
 
-@pytest.mark.parametrize("name", M.profile_names())
+@pytest.mark.parametrize("name", hardware.profile_names())
 def test_every_profile_cites_its_numbers(name):
-    prof = M.load_profile(name)
+    prof = hardware.load_profile(name)
     assert prof.device == "cuda" and prof.memory_bytes > 0 and prof.memory_bandwidth_gbps > 0
     assert {"fp32", "tf32", "fp16", "bf16"} <= set(prof.peak_tflops)
     assert {"gbps", "call_latency_us", "step_latency_us", "p2p"} <= set(prof.link)
@@ -649,7 +648,7 @@ def test_every_profile_cites_its_numbers(name):
         assert fact in cited, (name, fact)
     assert all(x["source"] for x in prof.sources)
     with pytest.raises(ValueError, match="no hardware profile"):
-        M.load_profile("no-such-card")
+        hardware.load_profile("no-such-card")
 
 
 def test_accumulation_computes_every_micro_step_and_communicates_as_compare_does():
@@ -657,11 +656,11 @@ def test_accumulation_computes_every_micro_step_and_communicates_as_compare_does
     DDP and ZeRO-1 reduce in the last micro-step only, DP moves everything in each, FSDP
     gathers in each and reduce-scatters once, holding every unit's full gradients until
     then. predict ignored it (every mode priced one micro-step of the whole batch)."""
-    prof, p, mib = M.load_profile("h100-sxm-nvlink"), 4, 2**20
+    prof, p, mib = hardware.load_profile("h100-sxm-nvlink"), 4, 2**20
     rows = {}
     for k in (1, 2):
-        s = M.Setup("transformer", world=p, batch_size=32, width=256, depth=4, optimizer="adamw", accum_steps=k)
-        steps = M.Steps(s)
+        s = replicated.Setup("transformer", world=p, batch_size=32, width=256, depth=4, optimizer="adamw", accum_steps=k)
+        steps = replicated.Steps(s)
         rows[k] = {r["mode"]: r for r in per_mode.predict(["ddp", "zero1", "fsdp", "fsdp:noreshard", "dp"], s, prof, steps)}
     st = steps.at(s.micro_batch())
     n, root = st.param_bytes, sum(st.params[i] for i in st.units[-1].params)
@@ -686,23 +685,23 @@ def test_accumulation_computes_every_micro_step_and_communicates_as_compare_does
         assert held["gradients"] * mib >= n - max(sum(st.params[i] for i in u.params) for u in st.units), m
         assert held["gradients"] > before["gradients"] and two[m]["tensor_mb"] > one[m]["tensor_mb"], m
     # This host: the measured compute-only step holds every micro-step, shared out among them.
-    host = M.Profile(name="t", description="", device="cpu", memory_bytes=0.0, memory_bandwidth_gbps=0.0,
-                     peak_tflops={}, link={}, compute_ms=100.0, optimizer_ms=10.0, overlap=False)
-    t = M.op_times_us(st, host, None, micro_steps=2)
+    host = hardware.Profile(name="t", description="", device="cpu", memory_bytes=0.0, memory_bandwidth_gbps=0.0,
+                            peak_tflops={}, link={}, compute_ms=100.0, optimizer_ms=10.0, overlap=False)
+    t = hardware.op_times_us(st, host, None, micro_steps=2)
     micro = sum(x for x, o in zip(t, st.ops) if o.phase != "opt")
     assert 2 * micro / 1e3 + sum(x for x, o in zip(t, st.ops) if o.phase == "opt") / 1e3 == pytest.approx(100.0)
 
 
 @needs_torchvision
 def test_max_batch_is_the_largest_that_fits():
-    s = M.Setup("resnet50", world=4, batch_size=64)
-    steps = M.Steps(s)
-    prof = M.load_profile("rtx4090-pcie4")
+    s = replicated.Setup("resnet50", world=4, batch_size=64)
+    steps = replicated.Steps(s)
+    prof = hardware.load_profile("rtx4090-pcie4")
     limit = 8 << 30
     for mode in ("dp", "ddp"):
         got = per_mode.max_batch(mode, s, prof, steps, limit)
         assert got % 4 == 0
-        mem = [max(per_mode.predict([mode], M.Setup("resnet50", world=4, batch_size=b), prof, steps)[0]["peak_memory_mb"])
+        mem = [max(per_mode.predict([mode], replicated.Setup("resnet50", world=4, batch_size=b), prof, steps)[0]["peak_memory_mb"])
                for b in (got, got + 4)]
         assert mem[0] * 2**20 <= limit < mem[1] * 2**20
 

@@ -201,8 +201,7 @@ def remedies(s, prof, limit_mb: float, device: str, modes: list[str] | None = No
     (default: all four) predicted: {"flags", "mode", "ms", "mb", "fits", "micro"}."""
     from dataclasses import replace
 
-    from commlab.training.predict import model as M
-    from commlab.training.predict import per_mode
+    from commlab.training.predict import per_mode, replicated
 
     per_device = max(1, s.batch_size // s.world)
     out = []
@@ -212,7 +211,7 @@ def remedies(s, prof, limit_mb: float, device: str, modes: list[str] | None = No
         while accum <= per_device:
             if checkpoint or accum > 1:
                 option = replace(s, checkpoint=checkpoint, accum_steps=accum)
-                steps = steps or M.Steps(replace(option, accum_steps=1))  # traced once; micro-steps extrapolated
+                steps = steps or replicated.Steps(replace(option, accum_steps=1))  # traced once; micro-steps extrapolated
                 for r in per_mode.predict(modes or list(SHARDING), option, prof, steps):
                     if r.get("status") == "ok":
                         mb = _memory_mb(dict(r, device=device))
@@ -224,12 +223,12 @@ def remedies(s, prof, limit_mb: float, device: str, modes: list[str] | None = No
 
 def predicted_sharding(hardware: str, gpus: int, model: str, batch_size: int, width: int = 1024, depth: int = 4,
                        amp: str | None = None, mem_limit_mb: float | None = None) -> tuple[str, list[Finding], list]:
-    from commlab.training.predict import model as M
-    from commlab.training.predict import per_mode
+    from commlab.training.predict import per_mode, replicated
+    from commlab.training.predict.hardware import load_profile
 
-    prof = M.load_profile(hardware)
-    s = M.Setup(model=model, world=gpus, batch_size=batch_size, amp=amp, width=width, depth=depth,
-                optimizer="adamw")
+    prof = load_profile(hardware)
+    s = replicated.Setup(model=model, world=gpus, batch_size=batch_size, amp=amp, width=width, depth=depth,
+                         optimizer="adamw")
     rows = per_mode.predict(list(SHARDING), s, prof)
     limit = mem_limit_mb or (prof.memory_bytes / 2**20 if prof.device == "cuda" else None)
     verdict, findings = sharding(rows, limit, prof.device)

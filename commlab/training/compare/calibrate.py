@@ -29,13 +29,12 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
     name and "predicted": true. this-host: `samples` are host_sample()s taken earlier in
     the run (compare takes one after the first compute-only step); one more is taken now,
     and they are pooled."""
-    from commlab.training.predict import model as M
-    from commlab.training.predict import per_mode
+    from commlab.training.predict import hardware, per_mode, replicated
 
-    s = M.Setup(model=args["model"], world=world, batch_size=args["batch_size"], bucket_cap_mb=args["bucket_cap_mb"],
-                bucket_cap_given=True,  # compare's DDP is always given its cap
-                amp=args["amp"], checkpoint=args["checkpoint"], optimizer=args.get("optimizer", "sgd"),
-                accum_steps=args.get("accum_steps", 1), **workloads.options(args))
+    s = replicated.Setup(model=args["model"], world=world, batch_size=args["batch_size"], bucket_cap_mb=args["bucket_cap_mb"],
+                         bucket_cap_given=True,  # compare's DDP is always given its cap
+                         amp=args["amp"], checkpoint=args["checkpoint"], optimizer=args.get("optimizer", "sgd"),
+                         accum_steps=args.get("accum_steps", 1), **workloads.options(args))
     wanted = _predicted_modes(modes)
     if profile == "this-host":
         noop = compute_step(measured)
@@ -45,11 +44,11 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
         benches, probes = pooled_samples(list(samples or []) + [host_sample(world, modes, args)])
         from commlab.measure.probes import measure_first_touch
 
-        prof = M.this_host(benches, noop["iter_ms"]["median"], world, len(os.sched_getaffinity(0)),
-                           noop.get("arrival_skew_ms", 0.0), noop.get("optimizer_ms"), measure_first_touch(),
-                           noop.get("unit_waits_ms"), probes, noop.get("wait_se_ms"))
+        prof = hardware.this_host(benches, noop["iter_ms"]["median"], world, len(os.sched_getaffinity(0)),
+                                  noop.get("arrival_skew_ms", 0.0), noop.get("optimizer_ms"), measure_first_touch(),
+                                  noop.get("unit_waits_ms"), probes, noop.get("wait_se_ms"))
     else:
-        prof = M.load_profile(profile)
+        prof = hardware.load_profile(profile)
     rows = per_mode.predict(wanted, s, prof)
     for r in rows:  # what it was predicted from (this-host: the fits, the compute step), with every row
         r["profile"] = dataclasses.asdict(prof)

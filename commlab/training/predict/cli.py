@@ -25,8 +25,7 @@ import sys
 from commlab.training import workloads
 from commlab.training.compare import report
 from commlab.training.modes import Mode
-from commlab.training.predict import model as M
-from commlab.training.predict import per_mode
+from commlab.training.predict import hardware, per_mode, replicated
 
 NOT_MODELLED = ("not modelled: kernel launch and Python overhead (DP's replica threads share one interpreter), "
                 "kernels below the roofline, the allocator's cache and cuDNN workspaces, data loading")
@@ -35,7 +34,7 @@ NOT_MODELLED = ("not modelled: kernel launch and Python overhead (DP's replica t
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m commlab.predict", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hardware", required=True, help=f"a profile ({', '.join(M.profile_names())}) or a profile file")
+    ap.add_argument("--hardware", required=True, help=f"a profile ({', '.join(hardware.profile_names())}) or a profile file")
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--model", default="resnet50", help="mlp | transformer | any torchvision model | "
                     "package.module:factory (a callable returning the module, or (module, example input batch))")
@@ -59,21 +58,21 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     try:
-        prof = M.load_profile(a.hardware)
+        prof = hardware.load_profile(a.hardware)
     except ValueError as e:
         ap.error(str(e))
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     optimizer = a.optimizer or ("adamw" if any(Mode.parse(m).sharded for m in modes) else "sgd")
     given = a.bucket_cap_mb is not None
-    a.bucket_cap_mb = a.bucket_cap_mb if given else M.Setup.bucket_cap_mb
-    s = M.Setup(model=a.model, world=a.gpus, batch_size=a.batch_size, bucket_cap_mb=a.bucket_cap_mb,
-                bucket_cap_given=given, amp=a.amp,
-                checkpoint=a.checkpoint, width=a.width, depth=a.depth, optimizer=optimizer, accum_steps=a.accum_steps)
+    a.bucket_cap_mb = a.bucket_cap_mb if given else replicated.Setup.bucket_cap_mb
+    s = replicated.Setup(model=a.model, world=a.gpus, batch_size=a.batch_size, bucket_cap_mb=a.bucket_cap_mb,
+                         bucket_cap_given=given, amp=a.amp,
+                         checkpoint=a.checkpoint, width=a.width, depth=a.depth, optimizer=optimizer, accum_steps=a.accum_steps)
     if a.accum_steps < 1:
         ap.error("--accum-steps must be at least 1")
     try:
         s.input_shape = workloads.parse_shape(a.input_shape)
-        steps = M.Steps(s)
+        steps = replicated.Steps(s)
     except ValueError as e:
         ap.error(str(e))
     rows = per_mode.predict(modes, s, prof, steps)

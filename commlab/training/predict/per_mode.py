@@ -1,5 +1,5 @@
-"""A step's prediction for each mode asked: DataParallel's and DDP's priced by model.py,
-ZeRO-1's and FSDP's by sharded.py (which prices with model.py's pieces), and the largest
+"""A step's prediction for each mode asked: DataParallel's and DDP's priced by replicated.py,
+ZeRO-1's and FSDP's by sharded.py (both price with hardware.py's profile), and the largest
 batch that fits."""
 from __future__ import annotations
 
@@ -7,24 +7,24 @@ from dataclasses import replace
 
 from commlab import algorithms
 from commlab.training.modes import Mode
-from commlab.training.predict import model as M
-from commlab.training.predict import sharded
+from commlab.training.predict import hardware, replicated, sharded
 
 
-def predict(modes: list[str], s: M.Setup, prof: M.Profile, steps: M.Steps | None = None) -> list[dict]:
-    steps = steps or M.Steps(s)
+def predict(modes: list[str], s: replicated.Setup, prof: hardware.Profile,
+            steps: replicated.Steps | None = None) -> list[dict]:
+    steps = steps or replicated.Steps(s)
     out = []
     for mode in modes:
         m = Mode.parse(mode)
         if m.kind == "dp":
-            out.append(M.predict_dp(s, prof, steps))
+            out.append(replicated.predict_dp(s, prof, steps))
         elif m.kind == "ddp" and not m.backend:
             alg = m.all_reduce
             if not m.noop and alg not in algorithms.names():
                 out.append({"mode": mode, "status": "unavailable", "predicted": True, "reason": f"unknown algorithm {alg!r}"})
                 continue
             try:
-                out.append(M.predict_ddp(mode, s, prof, steps))
+                out.append(replicated.predict_ddp(mode, s, prof, steps))
             except ValueError as e:
                 out.append({"mode": mode, "status": "unavailable", "predicted": True, "reason": str(e)})
         elif m.sharded:
@@ -39,7 +39,8 @@ def predict(modes: list[str], s: M.Setup, prof: M.Profile, steps: M.Steps | None
     return out
 
 
-def max_batch(mode: str, s: M.Setup, prof: M.Profile, steps: M.Steps, limit_bytes: float, cap: int = 1 << 14) -> int | None:
+def max_batch(mode: str, s: replicated.Setup, prof: hardware.Profile, steps: replicated.Steps, limit_bytes: float,
+              cap: int = 1 << 14) -> int | None:
     """The largest global batch (a multiple of the world size) whose predicted peak
     memory fits every device."""
     def fits(bs):

@@ -20,8 +20,17 @@ gradient shards, optimizer state, DDP's buckets), its peak reported with the bre
 at that moment; on a GPU the step's activations and the input are added."""
 from __future__ import annotations
 
+from commlab import algorithms
+from commlab.measure.syncprobe import OPTIMIZERS, ZERO1
 from commlab.training.modes import Mode
+from commlab.training.predict import hardware, replicated
 from commlab.training.predict.graph import Step
+from commlab.training.predict.hardware import (
+    collective_us,
+    copy_us,
+    first_touch_us,
+    in_training,
+)
 
 # ZeroRedundancyOptimizer's broadcasts: gloo's (binomial) on CPU; NCCL's pipelined ring on a GPU, the chain's formula.
 BROADCAST = {"cpu": "builtin", "cuda": "chain"}
@@ -88,7 +97,6 @@ def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us,
     n_fwd = sum(1 for o in st.ops if o.phase == "fwd")
     n_bwd = n_fwd + sum(1 for o in st.ops if o.phase == "bwd")
     ready = [max(st.grad_ready.get(i, n_bwd) for i in u.params) for u in blocks]  # a block's gradients complete
-    from commlab.training.predict.model import copy_us, first_touch_us, in_training
 
     # FSDP2 copies around each collective: the shard into the all-gather input and the
     # output out to the parameters (u/p + u, each read and written); the gradients into
@@ -225,8 +233,6 @@ def zero1_broadcasts_us(prof, p: int, params: list[float]) -> tuple[float, float
     broadcasts issued asynchronously, gloo's worker threads (two by default) taking them
     in turn, and waited for together) timed after compute against that cost for the
     parameters it broadcast."""
-    from commlab.measure.syncprobe import ZERO1
-    from commlab.training.predict.model import collective_us, in_training
 
     alg = BROADCAST[prof.device]
     factor, spread, _ = in_training(prof, ZERO1, alg, p, "broadcast")
@@ -242,8 +248,6 @@ def zero1_optimizer_us(prof, p: int, opt_us: float) -> tuple[float, float, float
     optimizer's step) timed that phase — where ranks outnumber cores they reach the
     broadcasts far apart (docs/measurements.md#figures-behind-the-codes-choices); else
     1/p of the optimizer, nobody waiting (a hardware profile: a device per rank)."""
-    from commlab.measure.syncprobe import OPTIMIZERS, ZERO1
-
     got = prof.in_training.get(ZERO1, {}).get(BROADCAST[prof.device]) or {}
     if got.get("state") not in OPTIMIZERS:  # probed after fixed work, not the step
         return opt_us / p, 0.0, None
@@ -251,22 +255,18 @@ def zero1_optimizer_us(prof, p: int, opt_us: float) -> tuple[float, float, float
 
 
 def predict(mode: str, s, prof, steps) -> dict:
-    from commlab.training.predict import model as M
-
     p = s.world
     m = Mode.parse(mode)
     if m.kind == "fsdp" and m.algorithm:
-        from commlab import algorithms
-
         alg = m.collectives
         for family in ("all_gather", "reduce_scatter"):
             if alg not in algorithms.registry(family).names():
                 raise ValueError(f"no {family} algorithm {alg!r}")
-    b, st, t, fwd, bwd, opt = M.step_times(s, prof, steps)
-    state = M.state_bytes(st)
+    b, st, t, fwd, bwd, opt = replicated.step_times(s, prof, steps)
+    state = replicated.state_bytes(st)
     compute = s.accum_steps * (fwd + bwd)
     if mode == "zero1":
-        ddp = M.predict_ddp("ddp", s, prof, steps)
+        ddp = replicated.predict_ddp("ddp", s, prof, steps)
         ddp_it, ddp_total, ddp_exposed = (ddp["iter_ms"]["median"] * 1e3, ddp["grad_sync_ms"]["total"] * 1e3,
                                           ddp["grad_sync_ms"]["exposed"] * 1e3)
         # Every parameter broadcast from its owner after the step: one call each, blocking;
@@ -278,7 +278,7 @@ def predict(mode: str, s, prof, steps) -> dict:
         # between; ZeRO-1's ranks drift from the step's start to the buckets, and again
         # through their shards' optimizer step to the broadcasts, which line them up.
         ddp_waiting = ddp["grad_sync_ms"]["exposed"] * 1e3 - ddp["grad_sync_ms"]["after_arrival"] * 1e3
-        wait_ms, wait_se = M.wait_charged(prof, "step_start")
+        wait_ms, wait_se = hardware.wait_charged(prof, "step_start")
         if opt_se is not None:
             wait_se = ((wait_se or 0.0) ** 2 + opt_se ** 2) ** 0.5
         waiting = wait_ms * 1e3 + opt_wait + spread if ddp_waiting else 0.0  # no buckets, no wait (as DDP's)
@@ -287,12 +287,12 @@ def predict(mode: str, s, prof, steps) -> dict:
                 "optimizer_state": state / p, "buckets": st.param_bytes}
         comm = 2 * st.param_bytes
         info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, "optimizer_ms": stepping / 1e3,
-                "broadcast_ms": bcast / 1e3, "per_device_batch": b, **M.micro(s)}
+                "broadcast_ms": bcast / 1e3, "per_device_batch": b, **replicated.micro(s)}
     else:
-        drift, wait_se = M.wait_charged(prof, "fe" if mode == "fsdp:noreshard" else "fbe")
+        drift, wait_se = hardware.wait_charged(prof, "fe" if mode == "fsdp:noreshard" else "fbe")
 
         def step(reused: bool) -> tuple:
-            it, held, comm, facts = _fsdp(mode, p, st, t, prof, M.collective_us, s.accum_steps, reused)
+            it, held, comm, facts = _fsdp(mode, p, st, t, prof, hardware.collective_us, s.accum_steps, reused)
             total = facts.pop("comm_us")
             exposed = min(total, it - compute - facts["optimizer_ms"] * 1e3)  # the copies are not the collectives'
             # As predict_ddp, a rank that reaches a collective first waits there for the last; FSDP
@@ -302,7 +302,7 @@ def predict(mode: str, s, prof, steps) -> dict:
             return it, held, comm, facts, total + waiting, exposed + waiting, waiting
 
         it, held, comm, facts, total, exposed, waiting = step(False)
-        info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, **facts, "per_device_batch": b, **M.micro(s)}
+        info = {"forward_ms": fwd / 1e3, "backward_ms": bwd / 1e3, **facts, "per_device_batch": b, **replicated.micro(s)}
         algorithm = Mode.parse(mode).collectives
         if any(prof.in_training.get(c, {}).get(algorithm, {}).get("reused") for c in ("all_gather", "reduce_scatter")):
             # Whether an output is mapped afresh or recycled is the allocator's state at that
@@ -317,12 +317,12 @@ def predict(mode: str, s, prof, steps) -> dict:
             wait_se = ((wait_se or 0.0) ** 2 + half ** 2 / 3) ** 0.5
     busy = 100.0  # as predict_ddp's: NVML counts a collective's kernels as busy, and nothing else waits
     if prof.device == "cpu":
-        return M.row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm, waiting, wait_se)
+        return replicated.row(mode, s, it, [None] * p, [None] * p, total, exposed, info, held, comm, waiting, wait_se)
     # On a GPU: what the step itself allocates beyond parameters and gradients
     # (activations, temporaries) and the input, beside the tensors held.
     # Activations and temporaries: what forward saves, or more where backward holds more at
     # once (checkpointing recomputes them there): the traced peak less the full gradients it counted.
     acts = max(st.activation_bytes, st.peak_bytes - st.param_bytes)
     mem = sum(held.values()) + acts + st.input_bytes + st.buffers_bytes
-    return M.row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm, waiting, wait_se)
+    return replicated.row(mode, s, it, [mem] * p, [busy] * p, total, exposed, info, held, comm, waiting, wait_se)
 
