@@ -148,3 +148,30 @@ def test_no_two_modules_import_each_other():
 
 def test_the_circle_finder_finds_a_circle():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def late_imports_without_a_reason(source: str) -> list[int]:
+    """Lines of imports inside functions with no comment on them or on the line above:
+    an import belongs at the top unless it breaks a cycle or defers a real cost
+    (an optional or slow package), and then the line says which."""
+    lines = source.split("\n")
+    bare = []
+    for fn in ast.walk(ast.parse(source)):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and \
+                        not any("#" in line for line in lines[node.lineno - 2:node.end_lineno]):
+                    bare.append(node.lineno)
+    return bare
+
+
+def test_every_import_inside_a_function_says_why():
+    bare = [f"{path.relative_to(ROOT.parent)}:{line}" for path in sorted(ROOT.rglob("*.py"))
+            for line in late_imports_without_a_reason(path.read_text())]
+    assert not bare, bare
+
+
+def test_the_late_import_finder_finds_one():
+    assert late_imports_without_a_reason("def f():\n    import os\n") == [2]
+    assert late_imports_without_a_reason("def f():\n    # optional\n    import os\n") == []
+    assert late_imports_without_a_reason("import os\n") == []

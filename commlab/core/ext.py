@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch  # noqa: F401  (loads libtorch before the extension needs it)
 
 from commlab.core import cxx_runtime
+from commlab.core.errors import CommlabError
 
 try:
     from commlab import _C as C
@@ -20,7 +21,6 @@ HAS_CUDA = bool(C is not None and C.has_cuda())
 
 def require():
     if C is None:
-        from commlab.core.errors import CommlabError
 
         if isinstance(IMPORT_ERROR, str):
             raise CommlabError(f"commlab._C cannot be used: {IMPORT_ERROR}")

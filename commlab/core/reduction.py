@@ -11,6 +11,7 @@ import enum
 import torch
 import torch.distributed as dist
 
+from commlab.core import ext
 from commlab.core.errors import UnsupportedError
 
 
@@ -94,7 +95,6 @@ def reduce_into(out: torch.Tensor, inputs: list[torch.Tensor], op: Op) -> torch.
     """out = inputs[0] op inputs[1] op ... in list order, each input read once;
     16-bit floats accumulate in float32 and round once. `out` may be any of the inputs:
     every kernel reads all inputs of an element (or block) before writing it."""
-    from commlab.core import ext
 
     if ext.reduce_n_serves(out):
         ext.C.reduce_n(out, inputs, int(op))

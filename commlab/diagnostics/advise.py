@@ -22,7 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from commlab.training.predict import per_mode, replicated
+from commlab.training.predict.hardware import load_profile
 
 
 @dataclass(frozen=True)
@@ -199,9 +202,7 @@ def remedies(s, prof, limit_mb: float, device: str, modes: list[str] | None = No
     activations recomputed in backward (--checkpoint) and the batch split into micro-steps
     (--accum-steps, powers of two down to one sample per device). Per option, each mode
     (default: all four) predicted: {"flags", "mode", "ms", "mb", "fits", "micro"}."""
-    from dataclasses import replace
 
-    from commlab.training.predict import per_mode, replicated
 
     per_device = max(1, s.batch_size // s.world)
     out = []
@@ -223,8 +224,6 @@ def remedies(s, prof, limit_mb: float, device: str, modes: list[str] | None = No
 
 def predicted_sharding(hardware: str, gpus: int, model: str, batch_size: int, width: int = 1024, depth: int = 4,
                        amp: str | None = None, mem_limit_mb: float | None = None) -> tuple[str, list[Finding], list]:
-    from commlab.training.predict import per_mode, replicated
-    from commlab.training.predict.hardware import load_profile
 
     prof = load_profile(hardware)
     s = replicated.Setup(model=model, world=gpus, batch_size=batch_size, amp=amp, width=width, depth=depth,

@@ -20,8 +20,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils.data.distributed import DistributedSampler
 
+import commlab
+from commlab.algorithms.all_reduce import auto, hier
+from commlab.core import groups
 from commlab.measure import launch, pools
+from commlab.transports import ipc
+from commlab.transports.setup import by_host, gather, host_id
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 
@@ -70,7 +76,6 @@ def check_gpus() -> list[Check]:
         out.append(Check(PASS if missing == 0 else WARN, "GPU P2P", "matrix " + " ".join(rows),
                          "without P2P (e.g. RTX 4090) intra-node traffic goes through host memory: "
                          "prefer DDP with NCCL over DP, whose GPU 0 then copies everything through the host"))
-        from commlab.transports import ipc
 
         path, why = ipc.choose_path([ipc.device_facts(torch.device("cuda", i)) for i in range(n)])
         out.append(Check(PASS, "commlab ipc", f"one process per GPU takes the {path} path: {why}"))
@@ -80,6 +85,7 @@ def check_gpus() -> list[Check]:
 
 def _nvlink(n: int) -> Check:
     try:
+        # optional (nvidia-ml-py): only where NVML is asked
         import pynvml
     except ImportError:
         return Check(WARN, "NVLink", "unknown", "pip install nvidia-ml-py to query NVLink")
@@ -148,9 +154,6 @@ def check_layout(group=None) -> Check:
     """Collective: the hosts this group's ranks are on (the identity shm and hier group
     by: hostname, boot, mount and network namespace), and the path `hier` and `auto`
     take on them."""
-    from commlab.algorithms.all_reduce import auto, hier
-    from commlab.core import groups
-    from commlab.transports.setup import by_host, gather, host_id
 
     info = groups.resolve(group)
     hosts = [[info.global_rank(r) for r in m]
@@ -192,7 +195,6 @@ def _ranges(ranks: list[int]) -> str:
 def _smoke_rank(rank: int, world: int) -> tuple[list[tuple[str, str | None, float]], Check]:
     """Every CPU algorithm once on this rank: (name, error or None, seconds); and the
     host layout."""
-    import commlab
 
     layout = check_layout()
     out = []
@@ -210,7 +212,6 @@ def _smoke_rank(rank: int, world: int) -> tuple[list[tuple[str, str | None, floa
 
 
 def smoke_test(world_size: int, timeout_s: float = 30.0) -> list[Check]:
-    import commlab
 
     names = commlab.algorithms.for_device("cpu")
     outcomes = pools.run_once(world_size, _smoke_rank, backend="gloo", pg_timeout_s=timeout_s,
@@ -271,7 +272,6 @@ def check_data(loader, epochs: int = 1, group=None) -> Check:
     that many passes, advancing the sampler's epoch between them as a correct loop does
     (and restoring it), and checks that the order changes: a sampler that ignores
     set_epoch() repeats it."""
-    from torch.utils.data.distributed import DistributedSampler
 
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -335,7 +335,6 @@ def run_all(world_size: int, timeout_s: float) -> list[Check]:
 def in_job(timeout_s: float) -> list[Check] | None:
     """Under a launcher (torchrun, mpiexec, srun; any number of hosts): the host layout and every CPU algorithm on
     the job's ranks; rank 0 gets the checks, the others None."""
-    import commlab
 
     launch.init(launch.detect(), "gloo", timeout_s, "cpu")
     try:

@@ -32,6 +32,13 @@ import time
 import torch
 import torch.distributed as dist
 
+import commlab
+from commlab import algorithms
+from commlab.core.errors import CommlabError
+from commlab.measure.pools import RankPool
+from commlab.transports import p2p
+from commlab.transports.link import peer_timeout
+
 FAULTS = ("sigkill", "sigint", "exception", "error-in-call", "sigstop")
 EXTRA_FAULTS = ("sigstop-between",)
 VICTIM = 1
@@ -46,7 +53,6 @@ def _arm(fault: str, at: float) -> None:
         sig = {"sigkill": signal.SIGKILL, "sigint": signal.SIGINT, "sigstop": signal.SIGSTOP}[fault]
         threading.Timer(later, os.kill, (me, sig)).start()
     elif fault == "error-in-call":
-        from commlab.transports import p2p
 
         def failing(real):
             def step(self, *args, **kwargs):
@@ -60,7 +66,6 @@ def _arm(fault: str, at: float) -> None:
 
 
 def _all_reduce_call(algorithm: str, p: int):
-    import commlab
 
     x = torch.ones(1 << 16)
 
@@ -71,7 +76,6 @@ def _all_reduce_call(algorithm: str, p: int):
 
 
 def _all_gather_call(algorithm: str, p: int):
-    import commlab
 
     x, out = torch.ones(1 << 16), torch.empty(p << 16)
 
@@ -83,7 +87,6 @@ def _all_gather_call(algorithm: str, p: int):
 
 
 def _reduce_scatter_call(algorithm: str, p: int):
-    import commlab
 
     x, out = torch.ones(p << 16), torch.empty(1 << 16)
 
@@ -95,9 +98,7 @@ def _reduce_scatter_call(algorithm: str, p: int):
 
 
 def _broadcast_call(algorithm: str, p: int):
-    import torch.distributed as dist
 
-    import commlab
 
     x = torch.empty(1 << 16)
 
@@ -109,9 +110,7 @@ def _broadcast_call(algorithm: str, p: int):
 
 
 def _all_to_all_call(algorithm: str, p: int):
-    import torch.distributed as dist
 
-    import commlab
 
     x, out = torch.empty(p << 16), torch.empty(p << 16)
 
@@ -168,7 +167,6 @@ def _rank(rank: int, p: int, algorithm: str, fault: str, delay: float, host_of, 
         if rank == VICTIM:
             sys.excepthook(type(e), e, e.__traceback__)
             os._exit(1)
-        from commlab.core.errors import CommlabError
 
         out = {"type": type(e).__name__, "commlab": isinstance(e, CommlabError), "msg": str(e),
                "after": time.monotonic() - at, "calls": calls}
@@ -197,15 +195,12 @@ def drill(algorithm: str, fault: str, world_size: int = 3, delay: float = 0.5, h
           pg_timeout_s: float = 60.0, collective: str = "all_reduce") -> dict:
     """Run one drill in fresh processes; returns every survivor's outcome and `last_s`,
     the time from the fault to the last survivor's error (None if one never raised)."""
-    from commlab.measure.pools import RankPool
 
     host_of = [r * hosts // world_size for r in range(world_size)] if hosts > 1 else None
     pool = RankPool(world_size, pg_timeout_s=pg_timeout_s)
     killed_s = None
     timer = None
     if fault.startswith("sigstop"):  # the frozen rank is killed once its peers had every chance to name it
-        from commlab.transports.link import peer_timeout
-
         killed_s = peer_timeout() + 5
         timer = threading.Timer(delay + killed_s, _kill, (pool.pid(VICTIM),))
         timer.start()
@@ -225,7 +220,6 @@ def drill(algorithm: str, fault: str, world_size: int = 3, delay: float = 0.5, h
 
 
 def main(argv=None) -> int:
-    from commlab import algorithms
 
     ap = argparse.ArgumentParser(prog="python -m commlab.diagnostics.drill", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -27,7 +27,8 @@ from commlab import algorithms
 from commlab.algorithms import tuning
 from commlab.core import groups
 from commlab.core.reduction import Op, parse_op
-from commlab.measure import clocks, envinfo, launch, pools, probes
+from commlab.measure import clocks, envinfo, launch, pools, probes, trace
+from commlab.measure.plots import plot_bench
 from commlab.measure.rows import anchor_rows, registry_rows
 from commlab.measure.specs import SPECS, check_input, check_op
 from commlab.measure.table import FLOOR_MIN_BYTES, SMALL_FLOOR_SIZES, report
@@ -209,7 +210,6 @@ def write_outputs(doc: dict, args, suffix: str | None = None) -> None:
         tuning.write(args.tune, t["device"], t["world_size"], t["hosts"], t["ranges"], t["measured"])
     traced = doc.pop("trace", None)
     if traced is not None:
-        from commlab.measure import trace
 
         meta = {"collective": doc["collective"], "timing": doc["env"]["timing"], **doc.pop("trace_clock", {})}
         trace.write(trace.bench_trace(traced, meta), named(args.trace))
@@ -222,7 +222,6 @@ def write_outputs(doc: dict, args, suffix: str | None = None) -> None:
             w.writeheader()
             w.writerows(doc["results"])
     if args.plot:
-        from commlab.measure.plots import plot_bench
 
         plot_bench(doc, named(args.plot))
 

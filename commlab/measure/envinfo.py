@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 import commlab
+from commlab.core import ext
+from commlab.measure.launch import active, mpi_world
 
 
 def cpu_model() -> str:
@@ -23,7 +25,6 @@ def cpu_model() -> str:
 
 
 def collect(device: torch.device) -> dict:
-    from commlab.core import ext
 
     env = {
         "commlab": commlab.__version__,
@@ -50,7 +51,6 @@ def collect(device: torch.device) -> dict:
             env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
         except Exception:  # noqa: BLE001 - informational only
             env["nccl"] = None
-    from commlab.measure.launch import active, mpi_world
 
     how = active()
     env["launcher"] = how.launcher or how.kind

@@ -13,10 +13,15 @@ import socket
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass
 
+import psutil
 import torch
 import torch.distributed as dist
+
+from commlab.core.errors import CommlabError
+from commlab.transports.setup import pid_alive
 
 
 class LaunchError(RuntimeError):
@@ -116,7 +121,6 @@ def _launcher_daemon() -> str:
     """The launcher's daemon on this host (hydra's proxy, Open MPI's prted), named by
     pid and start time: a job id every local rank shares, also through wrapper scripts
     (MPICH's hydra exports none)."""
-    import psutil
 
     try:
         for p in psutil.Process().parents():
@@ -203,10 +207,12 @@ def mpi_world(launch: Launch | None = None):
     if _mpi is not None:
         return _mpi
     try:
+        # optional: only under an MPI launcher, and only with its own library
         import mpi4py
 
         if "mpi4py.MPI" not in sys.modules:
             mpi4py.rc.initialize, mpi4py.rc.finalize = False, True
+        # optional: only under an MPI launcher, and only with its own library
         from mpi4py import MPI
     except ImportError:
         _mpi = (None, "mpi4py is not installed")
@@ -231,7 +237,6 @@ def job_port(job_id: str) -> int:
     """A port every rank of one job derives alike from the job's id (Lightning's rule
     for Slurm, widened): 20000-32767, below Linux's default ephemeral range (32768+),
     where any outgoing connection of the host may hold the port rank 0's store needs."""
-    import zlib
 
     return 20000 + zlib.crc32(job_id.encode()) % 12768
 
@@ -267,7 +272,6 @@ def rendezvous(launch: Launch) -> tuple[str, str]:
 
 
 def _note_path(launch: Launch) -> str:
-    import zlib
 
     job = zlib.crc32(launch.job_id.encode())
     return os.path.join(tempfile.gettempdir(), f"commlab-rendezvous-{os.getuid()}-{job:08x}")
@@ -294,7 +298,6 @@ def one_host_store(launch: Launch, timeout_s: float):
     writes it, with its pid, in a note in the host's temporary folder; a rank 0 that cannot
     start the store writes why, which the others raise at once. A note whose rank 0 is
     dead (a crashed job with the same id) is not read."""
-    from commlab.transports.setup import pid_alive
 
     path = _note_path(launch)
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -338,7 +341,6 @@ def init(launch: Launch, backend: str, timeout_s: float, device: str) -> None:
     if device == "cuda":
         problem = check_gpus_per_rank(launch.local_world_size, backend, torch.cuda.device_count())
         if problem:
-            from commlab.core.errors import CommlabError
 
             raise CommlabError(f"commlab: {problem}")
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())

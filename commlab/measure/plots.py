@@ -4,9 +4,11 @@ from __future__ import annotations
 
 def _pyplot():
     try:
+        # optional (the plot extra)
         import matplotlib
 
         matplotlib.use("Agg")
+        # optional (the plot extra)
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib (or commlab[plot])") from None
@@ -86,6 +88,7 @@ def plot_trace(trace: dict, path: str) -> None:
         ax.broken_barh([(a, d) for a, d, _ in spans], (y - 0.4, 0.8), facecolors=[c for _, _, c in spans],
                        edgecolor="none")
     ax.set_yticks(range(len(order)), [f"rank {r} {c}" for r, c in order], fontsize=8)
+    # optional (the plot extra)
     from matplotlib.patches import Patch
 
     ax.legend(handles=[Patch(color=c, label=n) for n, c in colours.items() if n in shown], fontsize=7, ncol=6,

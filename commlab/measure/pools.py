@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import faulthandler
+import multiprocessing as mp
 import multiprocessing.util  # noqa: F401 - registers its exit handler on import: _close_open must come after
 import os
 import queue
+import shutil
+import signal
 import tempfile
+import threading
 import time
+import traceback
 from dataclasses import dataclass
+from multiprocessing import reduction
 from typing import Callable
 
 import torch
@@ -77,7 +84,6 @@ class _Stdio:
     of commlab is imported before the environment is in place."""
 
     def __reduce__(self):
-        from multiprocessing import reduction
 
         return tuple, ((reduction.DupFd(1), reduction.DupFd(2)),)
 
@@ -92,7 +98,6 @@ class _Lifeline:
         self.fd = fd
 
     def __reduce__(self):
-        from multiprocessing import reduction
 
         return tuple, ((reduction.DupFd(self.fd),),)
 
@@ -101,7 +106,6 @@ def _watch_lifeline(fd: int, rank: int, workdir: str) -> None:
     """Ends this rank once the process that started it is gone: killed (a scheduler's
     SIGTERM, the OOM killer), it cannot tell its ranks, which would otherwise train on for
     minutes with nobody to report to, holding their working directory."""
-    import shutil
 
     try:
         while os.read(fd, 1):
@@ -114,7 +118,6 @@ def _watch_lifeline(fd: int, rank: int, workdir: str) -> None:
 
 
 def _context():
-    import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first use)
@@ -123,10 +126,6 @@ def _context():
 
 def _rank_main(rank: int, world_size: int, workdir: str, port: int, backend: str | None, pg_timeout_s: float,
                threads: int, inq, outq, lifeline: int) -> None:
-    import faulthandler
-    import signal
-    import threading
-    import traceback
 
     threading.Thread(target=_watch_lifeline, args=(lifeline, rank, workdir), daemon=True,
                      name="commlab-lifeline").start()
@@ -282,7 +281,6 @@ class RankPool:
 
     def _stacks(self, ranks) -> dict[int, str]:
         """Every thread's stack of each given (live) rank, through faulthandler."""
-        import signal
 
         out = {}
         for r in ranks:
@@ -299,7 +297,6 @@ class RankPool:
         return out
 
     def close(self) -> None:
-        import shutil
 
         if self.broken:
             return

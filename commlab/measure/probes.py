@@ -10,15 +10,17 @@ import time
 import torch
 import torch.distributed as dist
 
+from commlab.core import ext
+from commlab.core.reduction import Op, combine_
+from commlab.measure.timing import agree_min
+
 
 def measure_gamma_us_per_byte(dtype=None, device="cpu", nbytes: int = 8 << 20) -> float:
     """γ measured directly: one in-place element-wise SUM of two nbytes buffers on
     this device (best of 5), per byte of input folded in. Fixing γ from this keeps the
     fit identifiable: for most algorithms bytes sent and bytes reduced are proportional."""
 
-    import torch
 
-    from commlab.core.reduction import Op, combine_
 
     dtype = dtype or torch.float32
     n = max(nbytes // torch.empty((), dtype=dtype).element_size(), 1)
@@ -55,7 +57,6 @@ def measure_first_touch_us_per_byte(nbytes: int = 48 << 20) -> float:
     above its mmap threshold) pays a page fault per page, so every call that allocates its
     output (FSDP's collectives do; the bench reuses its buffers) does."""
 
-    import torch
 
     best_fresh = best_warm = math.inf
     for _ in range(5):
@@ -82,7 +83,6 @@ def measure_group_bandwidth_gbps(nbytes: int, group=None, trials: int = 3) -> fl
     This bounds the rate any byte of an all-reduce's traffic can move at this working set
     with these ranks on these cores, so traffic / rate is a floor."""
 
-    import torch
 
     n = max(nbytes // 4, 2)
     buf = torch.ones(n, dtype=torch.float32)
@@ -122,8 +122,6 @@ def measure_handoffs(group=None, iters: int = 2000, trials: int = 5, timeout_s: 
     rank could not take part. No shared-memory all-reduce finishes before a peer has
     seen a flag, and a core hosting k ranks must switch k-1 times per call."""
 
-    from commlab.core import ext
-    from commlab.measure.timing import agree_min
 
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     if p < 2:
@@ -165,7 +163,6 @@ def measure_handoffs(group=None, iters: int = 2000, trials: int = 5, timeout_s: 
 def hot_copy_us(nbytes: int) -> float:
     """The best time of one memcpy of nbytes between cache-hot buffers, in µs: the least
     an all-reduce spends writing its result into the caller's tensor."""
-    from commlab.core import ext
 
     return ext.require().hot_copy_ns(nbytes, max(100, (64 << 20) // max(nbytes, 1))) / 1e3
 

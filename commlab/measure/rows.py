@@ -141,7 +141,10 @@ def deepspeed_row(dtype: torch.dtype, op: Op, device, collective: str = "all_red
     os.environ["LOCAL_SIZE"] = str(world)
     why = None
     try:
+        # optional: the DeepSpeed peer row
         import deepspeed
+
+        # optional: the DeepSpeed peer row
         from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
         module = ShareMemCommBuilder().load(verbose=False)

@@ -35,6 +35,13 @@ from __future__ import annotations
 import statistics
 import time
 
+import torch
+import torch.distributed as dist
+
+from commlab.core.reduction import Op
+from commlab.measure import pools
+from commlab.measure.specs import SPECS
+
 WORK_MS = 50.0  # of one idle core per call: FSDP's blocks compute tens of ms between collectives
 REPS = 12
 SKIP = 2  # the first calls set transports up and fault buffers in
@@ -43,7 +50,6 @@ SKIP = 2  # the first calls set transports up and fault buffers in
 def _matmuls_per_ms() -> float:
     """How many 256x256 matmuls one idle core does per ms (the work unit, cache-resident
     so its rate does not depend on what the other ranks stream)."""
-    import torch
 
     a = torch.randn(256, 256)
     a @ a
@@ -61,9 +67,7 @@ def fsdp_buffers(collective: str, count: int, rank: int, world: int):
     the allocator maps large ones afresh, so their pages fault in where first written) and
     the input written before it — an all-gather's shard copied into its own slice of the
     output, a reduce-scatter's gradients into a full-size input."""
-    import torch
 
-    from commlab.measure.specs import SPECS
 
     out = torch.empty(SPECS[collective].output(count, world))
     if collective == "all_gather":
@@ -112,11 +116,7 @@ def _caller(rank: int, world: int, collective: str, algorithm: str, size, state:
     asynchronously rank by rank and waited for together, as its _sync_params; with state
     an optimizer's name, that optimizer's step on the rank's own parameters made before
     them, as ZeroRedundancyOptimizer.step makes it)."""
-    import torch
-    import torch.distributed as dist
 
-    from commlab.core.reduction import Op
-    from commlab.measure.specs import SPECS
 
     if collective == ZERO1:
         params = [torch.ones(max(1, n // 4)) for n in size]  # the parameters persist from step to step
@@ -160,8 +160,6 @@ def probe_rank(rank: int, world: int, probes: list[tuple[str, str, object]], mat
     same work, then one call (_caller), timed from its start to its end; (start, end, the
     start of the work before it) of each call, per probe. ZeRO-1's broadcasts after an
     optimizer's step have that step for their work."""
-    import torch
-    import torch.distributed as dist
 
     a = torch.randn(256, 256)
     out_calls = []
@@ -224,7 +222,6 @@ def measure_all(world: int, probes: list[tuple[str, str, object]], work_ms: floa
                 timeout: float = 300.0) -> list[dict]:
     """Several probes, one after another on one set of ranks (a set costs a second or more
     to start and join: most of a short probe): measure()'s figures for each."""
-    from commlab.measure import pools
 
     if not probes:
         return []

@@ -107,6 +107,7 @@ def fit_levels(points: list[Point], gamma_us_per_byte: float) -> TwoLevel:
     reduction on this machine), so that bytes sent and bytes reduced, proportional in
     most algorithms, do not trade off against each other. Link stages are fitted on
     their wire term (runs over a slow link, where it is the longer)."""
+    # scipy.optimize: ~0.3 s, only for a two-level fit
     from scipy.optimize import nnls
 
     rows = [(q, st) for q in points if (st := algorithms.get(q.algorithm).stages(q.hosts, q.per_host, q.nbytes))]

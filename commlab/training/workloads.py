@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 
 def mlp(width: int = 1024, depth: int = 4, in_features: int = 256, out_features: int = 16) -> nn.Module:
@@ -74,7 +75,6 @@ class Recomputed(nn.Module):
         self.block = block
 
     def forward(self, *args, **kwargs):
-        from torch.utils.checkpoint import checkpoint
 
         return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
 
@@ -104,7 +104,6 @@ class Checkpointed(nn.Module):
         self.blockwise = bool(targets)
 
     def forward(self, x):
-        from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
         if self.blockwise:
             return self.inner(x)
@@ -239,6 +238,7 @@ def build(name: str, *, width: int = 1024, depth: int = 4, input_shape: tuple[in
 
         return Workload(name, model, make_batch, nn.functional.mse_loss)
     try:
+        # optional: only the torchvision models need it
         import torchvision
     except ImportError:
         raise ValueError(f"unknown model {name!r}: built in are mlp and transformer, a factory is "

@@ -34,6 +34,7 @@ import weakref
 import torch.distributed as dist
 
 from commlab.core import ext
+from commlab.transports import setup
 
 ABORT_KEY = "commlab/abort"
 _POLL = 0.1  # s between looks at the store while a wait is in flight
@@ -98,7 +99,6 @@ class Link:
         """The group's gloo context, connected on first use (collective)."""
         if self.backend is not None:
             return self.backend
-        from commlab.transports import setup
 
         store = store_of(info.group)
         with _connecting:

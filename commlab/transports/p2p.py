@@ -28,6 +28,7 @@ from commlab.core.errors import (
 )
 from commlab.core.groups import GroupInfo
 from commlab.core.reduction import Op
+from commlab.transports import setup, shm
 from commlab.transports.link import Link, first_text
 from commlab.transports.records import (
     CallRecord,
@@ -69,7 +70,6 @@ UNAGREED = os.environ.get("COMMLAB_UNSAFE_SKIP_AGREEMENT", "") == "1"
 def abandon(group: dist.ProcessGroup, text: str) -> None:
     """This rank leaves the group for good (a rule was broken elsewhere): peers waiting in
     its set-up steps or on its connection raise `text` now."""
-    from commlab.transports import setup
 
     setup.mark_abort(group, text)
     link = _links.get(group)
@@ -208,8 +208,6 @@ class P2P:
             link.give_up(text)  # unconnected: it only records the text
             if link.backend is None:
                 # Peers may wait in the group's set-up (the first call's gathers): they raise it there.
-                from commlab.transports import setup
-
                 setup.mark_abort(self.info.group, text)
         self._spread(link.error)  # also when the watcher gave up first (Ctrl-C in a wait)
 
@@ -218,7 +216,6 @@ class P2P:
         shared memory (a peer that finished this call waits there in the next call's
         agreement: ps's rank 2 for rank 0, 60 s before this) and the sub-groups made
         from it (hier's, whose stages other ranks may be in)."""
-        from commlab.transports import shm
 
         if shm.state_of(self.info).comm is not None:  # a mismatch stays one for its ranks too
             shm.abort(self.info, self.algorithm, text, mismatch=text.startswith(MISMATCH_MARKS))
@@ -312,7 +309,6 @@ class P2P:
         record, as the agreement does, and so does a call whose steps go through the
         group's own CUDA backend (`cuda`: NCCL's posted transfers cannot be taken back the
         way a closed gloo connection takes them). Across hosts, the agreement (agree)."""
-        from commlab.transports import shm
 
         link = self.link
         self._refuse_if_failed()
@@ -353,7 +349,6 @@ class P2P:
         """Ranks called differently and some may have posted their first transfers: the
         group ends on every rank, with `text` (the first published, where ranks found it
         at once)."""
-        from commlab.transports import setup, shm
 
         link = self.link
         if link.error is None:
@@ -373,8 +368,6 @@ class P2P:
         memory when every rank is on one host, else to rank 0 and back over
         point-to-point (two steps). Not gloo's own all-gather: it wakes every rank p-1
         times (docs/measurements.md#figures-behind-the-codes-choices)."""
-        from commlab.transports import setup, shm
-
         hosts = setup.host_ids(self.info, self.algorithm, "choosing how calls are agreed")
         usable = shm.unsupported(self.info) is None and shm.state_of(self.info).failure is None  # refused before: not again
         if len(set(hosts)) == 1 and usable:
@@ -382,7 +375,6 @@ class P2P:
         return P2P._records_through_root
 
     def _records_through_shm(self, mine: torch.Tensor) -> torch.Tensor:
-        from commlab.transports import shm
 
         every = torch.empty(self.info.size * mine.numel(), dtype=torch.int64)
         shm.all_gather(every, mine, self.info, self.algorithm)

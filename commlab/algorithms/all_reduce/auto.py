@@ -9,6 +9,7 @@ import copy
 import hashlib
 import os
 
+from commlab import algorithms
 from commlab.core import groups
 from commlab.core.errors import CollectiveMismatchError, UnsupportedError
 from commlab.transports.p2p import P2P
@@ -100,7 +101,6 @@ class _Choice:
         self.ready: dict[str, tuple[Algorithm, Context]] = {}
 
     def checks_calls(self) -> bool:
-        from commlab import algorithms
 
         names = [self.fixed] if self.fixed else sorted(set(self.table.names))
         return all(algorithms.get(n).checks_calls(Context(info=self.ctx.info, p2p=self.ctx.p2p)) for n in names)
@@ -109,7 +109,6 @@ class _Choice:
         name = self.fixed or self.table.pick(nbytes)
         got = self.ready.get(name)
         if got is None:
-            from commlab import algorithms
 
             # Errors name what was asked for and what ran: commlab[auto->shm].
             alg = copy.copy(algorithms.get(name))

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 
+from commlab import algorithms
 from commlab.transports import shm
 
 from ..base import Algorithm, Cost, Stage
@@ -50,7 +51,6 @@ class Hierarchical(Algorithm):
         intra = [Stage("shm", 2, 2 * nbytes, (k - 1) / k * nbytes, "shm")] if k > 1 else []
         if hosts == 1:
             return intra
-        from commlab import algorithms
 
         inter = algorithms.get(_inter_name(hosts, int(nbytes / k))).stages(hosts, 1, nbytes / k)
         if inter is None:
@@ -128,7 +128,6 @@ def _inter_name(hosts: int, shard_bytes: int) -> str:
 
 
 def _inter_algorithm(hosts: int, shard_bytes: int) -> Algorithm:
-    from commlab import algorithms
 
     name = _inter_name(hosts, shard_bytes)
     alg = _named.get(name)

@@ -7,14 +7,21 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 
 import torch
 
 from commlab import algorithms
+from commlab.measure import syncprobe
+from commlab.measure.probes import measure_first_touch
 from commlab.training import workloads
 from commlab.training.compare import report
 from commlab.training.modes import Mode
+from commlab.training.predict import hardware, per_mode, replicated
+from commlab.training.predict import sharded as S
+from commlab.training.predict.sharded import BROADCAST
 
 
 def _predicted_modes(modes: list[str]) -> list[str]:
@@ -29,7 +36,6 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
     name and "predicted": true. this-host: `samples` are host_sample()s taken earlier in
     the run (compare takes one after the first compute-only step); one more is taken now,
     and they are pooled."""
-    from commlab.training.predict import hardware, per_mode, replicated
 
     s = replicated.Setup(model=args["model"], world=world, batch_size=args["batch_size"], bucket_cap_mb=args["bucket_cap_mb"],
                          bucket_cap_given=True,  # compare's DDP is always given its cap
@@ -42,7 +48,6 @@ def predicted(profile: str, modes: list[str], measured: list[dict], args: dict, 
             return [{"mode": m, "status": "unavailable", "predicted": True,
                      "reason": "this-host needs the measured compute-only step (ddp:noop), which failed"} for m in wanted]
         benches, probes = pooled_samples(list(samples or []) + [host_sample(world, modes, args)])
-        from commlab.measure.probes import measure_first_touch
 
         prof = hardware.this_host(benches, noop["iter_ms"]["median"], world, len(os.sched_getaffinity(0)),
                                   noop.get("arrival_skew_ms", 0.0), noop.get("optimizer_ms"), measure_first_touch(),
@@ -162,7 +167,6 @@ def pooled_samples(samples: list[dict]) -> tuple[list[dict], dict]:
 
 def host_collectives(modes: list[str]) -> dict[str, list[str]]:
     """What this-host must fit for these modes: collective -> algorithms."""
-    from commlab.training.predict import sharded as S
 
     cpu = algorithms.for_device("cpu")
     need: dict[str, list[str]] = {"all_reduce": ["builtin"]}
@@ -222,7 +226,6 @@ def probe_in_training(world: int, modes: list[str], nbytes: int = 16 << 20, ddp_
     per probe (default 12; the docs' examples, run to show they work, take fewer). FSDP's
     calls are probed in both of the allocator's states, the output mapped afresh and
     recycled: the second as the first's "reused"."""
-    from commlab.measure import syncprobe
 
     reps = int(os.environ.get("COMMLAB_PROBE_REPS", syncprobe.REPS))
     calls = [(c, name, nbytes, state)
@@ -231,7 +234,6 @@ def probe_in_training(world: int, modes: list[str], nbytes: int = 16 << 20, ddp_
     if ddp_bytes:
         calls += [("all_reduce", name, ddp_bytes) for name in _ddp_all_reduces(modes)]
     if params and "zero1" in modes:
-        from commlab.training.predict.sharded import BROADCAST
 
         calls.append((syncprobe.ZERO1, BROADCAST["cpu"], list(params), optimizer))
     if calls:
@@ -251,8 +253,6 @@ def host_bench(world: int, collective: str, names: list[str]) -> dict:
     """A short bench of one collective's algorithms at this world size (what this-host
     is fitted to): all-reduce 256 KiB to 16 MiB (DDP's bucket sizes), the sharded
     modes' collectives 4 KiB to 64 MiB (a parameter to a gathered block)."""
-    import subprocess
-    import tempfile
 
     lo, hi = ("256K", "16M") if collective == "all_reduce" else ("4K", "64M")
     with tempfile.TemporaryDirectory() as d:

@@ -35,6 +35,7 @@ import torch
 
 from commlab.measure import envinfo, pools, trace
 from commlab.measure.launch import check_gpus_per_rank
+from commlab.measure.plots import plot_compare, plot_trace
 from commlab.training import workloads
 from commlab.training.compare import report, search
 from commlab.training.compare.calibrate import host_sample, predicted, sample_after
@@ -51,7 +52,6 @@ def write_trace(records: list[dict], label: str, directory: str) -> dict:
     out = {"json": os.path.join(directory, name + ".json"), "sync_ms": trace.sync_ms(doc)}
     trace.write(doc, out["json"])
     try:
-        from commlab.measure.plots import plot_trace
 
         plot_trace(doc, os.path.join(directory, name + ".png"))
         out["png"] = os.path.join(directory, name + ".png")
@@ -197,7 +197,6 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=2)
     if a.plot:
-        from commlab.measure.plots import plot_compare
 
         plot_compare(doc, a.plot)
     return 0 if any(m["status"] == "ok" for m in results) else 1

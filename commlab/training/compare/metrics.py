@@ -3,9 +3,12 @@ time from one profiled iteration, and a smaller card emulated by an allocator ca
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 
 class NvmlSampler:
@@ -15,9 +18,9 @@ class NvmlSampler:
         self.devices, self.samples, self._stop = devices, {d: [] for d in devices}, None
 
     def start(self):
-        import threading
 
         try:
+            # optional (nvidia-ml-py): only where NVML is asked
             import pynvml
 
             pynvml.nvmlInit()
@@ -47,7 +50,6 @@ def profiled_comm_ms(step) -> float:
     """One extra iteration under torch.profiler: the busiest device's time in NCCL
     kernels and peer-to-peer copies, i.e. DataParallel's replicate (parameter
     broadcast), reduce-add (gradients to GPU 0), scatter and gather."""
-    from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
@@ -64,7 +66,6 @@ def _is_comm(event) -> bool:
 def comm_time_ms(events) -> float:
     """Per device, the summed duration of communication kernels and copies (NCCL
     kernels, "Memcpy PtoP"); the largest per-device sum, in ms."""
-    from torch.autograd import DeviceType
 
     per_device: dict[int, float] = {}
     for e in events:
@@ -80,7 +81,6 @@ def profiled_sync_ms(step) -> dict:
     the part of it during which no other kernel or copy ran on that device (exposed) —
     how DDP's NCCL all-reduces and the sharded modes' collectives, issued on NCCL's and
     FSDP's own streams, are timed on a GPU, where the host sees only their launch."""
-    from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
@@ -122,7 +122,6 @@ def comm_overlap_ms(events) -> dict:
     """Per device, the union of its communication intervals (NCCL kernels, peer copies)
     and the part of that union no other device activity overlaps (Holistic Trace
     Analysis's exposed communication); the busiest device's, in ms."""
-    from torch.autograd import DeviceType
 
     comm: dict[int, list] = {}
     other: dict[int, list] = {}

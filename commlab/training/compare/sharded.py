@@ -29,6 +29,7 @@ import warnings
 import psutil
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commlab.measure import trace
@@ -172,6 +173,7 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     buckets_state = None
     zero_sync = {"s": 0.0, "bytes": 0, "steps": 0, "calls": []}
     if mode == "zero1":
+        # ~0.5 s: only ZeRO-1 loads it
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         # Checkpointing inside what DDP wraps, as ddp_rank does (DDP's forward must run).
@@ -194,7 +196,7 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
             zero_sync["calls"].append({"kind": "broadcast", "start": t0, "end": t1, "bytes": nbytes})
         opt._sync_params = timed_sync
     else:
-        from torch.distributed.device_mesh import DeviceMesh
+        # ~0.5 s: only the FSDP modes load it
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
@@ -220,7 +222,8 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     scaler = None
     if args.get("amp") == "fp16":
         # fp16 needs loss scaling; FSDP's gradients are shards, so a rank alone cannot tell
-        # whether any gradient overflowed: the sharded scaler all-reduces that verdict.
+        # whether any gradient overflowed: the sharded scaler all-reduces that verdict
+        # (imported here: ~0.5 s, only the FSDP modes load it).
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         scaler = torch.amp.GradScaler(device.type) if mode == "zero1" else ShardedGradScaler(device.type)

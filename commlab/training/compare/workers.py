@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from commlab.measure import trace
 from commlab.training import hooks, workloads
 from commlab.training.compare import metrics, report
+from commlab.training.compare.sharded import ddp_bucket_bytes, measure_step, optimizer
 from commlab.training.compare.steps import (
     emulate_memory_limit,
     optimizer_step,
@@ -207,7 +208,6 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     else:
         state = hooks.CommState(m.algorithm)
         hooks.register(ddp, state)
-    from commlab.training.compare.sharded import optimizer
 
     opt = optimizer(ddp.parameters(), args)
     per_rank = max(args["batch_size"] // world, 1)
@@ -324,7 +324,6 @@ def _tensor_bytes_and_params(ddp, opt, one_step, args: dict) -> tuple[dict, list
     """One more step (after the timed ones) with the tensor bytes sampled throughout (see
     sharded.TensorBytes; DDP's buckets from its reducer), and the final parameters when
     asked for."""
-    from commlab.training.compare.sharded import ddp_bucket_bytes, measure_step
 
     if next(ddp.parameters()).is_cuda:
         return {}, None  # on GPU the allocator's peak is the measure
