@@ -22,11 +22,9 @@ timed ones."""
 from __future__ import annotations
 
 import contextlib
-import resource
 import time
 import warnings
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,13 +32,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commlab.measure import trace
 from commlab.training import fsdp, hooks, workloads
-from commlab.training.compare import metrics
 from commlab.training.compare.steps import (
-    emulate_memory_limit,
+    across_ranks,
+    peak_memory_mb,
     start_rank,
     timed_default_hook,
     timed_micro_batch,
     timed_optimizer_step,
+    timed_steps,
     warm_up,
 )
 from commlab.training.modes import Mode
@@ -212,7 +211,6 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         net = workloads.Checkpointed(model) if args["checkpoint"] else model
         opt = optimizer(model.parameters(), args)
     per_rank = max(args["batch_size"] // world, 1)
-    proc = psutil.Process()
 
     spans: list[tuple[str, float, float]] = []  # --trace: this rank's compute, on the collectives' clock
 
@@ -260,21 +258,7 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     if buckets_state is not None:
         buckets_state.reset()
     zero_sync.update(s=0.0, bytes=0, steps=0, calls=[])
-    times, loss = [], 0.0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    sampler = metrics.NvmlSampler([device.index]) if cuda else None  # as ddp_rank's: one metric per device type
-    if sampler is not None:
-        sampler.start()
-    cpu0, wall0 = sum(proc.cpu_times()[:2]), time.perf_counter()
-    for i in range(args["warmup"], args["warmup"] + args["iters"]):
-        t0 = time.perf_counter()
-        loss = step(i)
-        times.append(time.perf_counter() - t0)
-    if sampler is not None:
-        util = (sampler.stop() or [None])[0]
-    else:
-        util = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - wall0) * 100
+    times, loss, util = timed_steps(step, args, device)
     # The timed steps' communication, before the measuring step adds its own.
     if mode == "zero1":
         st = buckets_state.stats()
@@ -293,20 +277,12 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     traced = trace.record(spans, iterations, Mode.parse(mode).collectives)  # as ddp_rank's: the exposed sync's split
     tensors = measure_step(model, opt, ddp_bucket_bytes(net) if mode == "zero1" else 0,
                            lambda: step(args["warmup"] + args["iters"]))
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)  # NCCL reduces device tensors
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    mean_loss = torch.tensor([loss], dtype=torch.float64, device=device)
-    dist.all_reduce(mean_loss)
+    slowest, mean_loss = across_ranks(times, loss, device, world)
     params = None
     if args.get("return_params"):
         full = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
         params = torch.cat([t.reshape(-1).double() for t in full]).tolist()
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if cuda:
-        memory_mb = torch.cuda.max_memory_allocated(device) / 2**20
-    else:
-        emulate_memory_limit(peak_rss, rss_before_model, args["mem_limit_mb"])
-        memory_mb = peak_rss / 2**20
-    return {"times": slowest.tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": memory_mb,
+    memory_mb = peak_memory_mb(device, rss_before_model, args)
+    return {"times": slowest, "loss": mean_loss, "memory_mb": memory_mb,
             "util": util, "sync_total": total, "sync_exposed": exposed, "comm_bytes": per_step, **tensors,
             "params": params, "trace": traced}

@@ -4,6 +4,7 @@ optimizer step, the warm-up steps, and the emulated memory limit of CPU ranks.""
 from __future__ import annotations
 
 import datetime
+import resource
 import time
 
 import psutil
@@ -101,3 +102,45 @@ def warm_up(step, n: int, on_device: bool) -> dict | None:
     for i in range(n - 1 if on_device else n):
         step(i)
     return metrics.profiled_sync_ms(lambda: step(n - 1)) if on_device else None
+
+
+def timed_steps(step, args: dict, device: torch.device) -> tuple[list[float], float, float | None]:
+    """The timed steps after the warm-up: (each step's seconds, the last step's loss, the
+    utilisation: the GPU's as NVML samples it, else this process's CPU share in %)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    sampler = metrics.NvmlSampler([device.index]) if cuda else None  # one metric per device type, as DP's
+    if sampler is not None:
+        sampler.start()
+    proc = psutil.Process()
+    cpu0, wall0 = sum(proc.cpu_times()[:2]), time.perf_counter()
+    times, loss = [], 0.0
+    for i in range(args["warmup"], args["warmup"] + args["iters"]):
+        t0 = time.perf_counter()
+        loss = step(i)
+        times.append(time.perf_counter() - t0)
+    if sampler is not None:
+        return times, loss, (sampler.stop() or [None])[0]
+    return times, loss, (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - wall0) * 100
+
+
+def across_ranks(times: list[float], loss: float, device: torch.device, world: int) -> tuple[list[float], float]:
+    """(The slowest rank's time of each step, the ranks' mean loss), on every rank; over
+    the device where the group's backend reduces device tensors (NCCL), else the host."""
+    on = device if device.type == "cuda" and dist.get_backend() == "nccl" else torch.device("cpu")
+    slowest = torch.tensor(times, dtype=torch.float64, device=on)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    mean_loss = torch.tensor([loss], dtype=torch.float64, device=on)
+    dist.all_reduce(mean_loss)
+    return slowest.cpu().tolist(), float(mean_loss.item()) / world
+
+
+def peak_memory_mb(device: torch.device, rss_before_model: int, args: dict) -> float:
+    """The device's peak allocation, or on a CPU this process's peak RSS (Linux: KiB; the
+    true peak, mid-step too), checked against the emulated memory limit."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    emulate_memory_limit(peak_rss, rss_before_model, args["mem_limit_mb"])
+    return peak_rss / 2**20

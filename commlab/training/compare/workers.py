@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import time
 import warnings
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -18,12 +16,14 @@ from commlab.training import hooks, workloads
 from commlab.training.compare import metrics, report
 from commlab.training.compare.sharded import ddp_bucket_bytes, measure_step, optimizer
 from commlab.training.compare.steps import (
-    emulate_memory_limit,
+    across_ranks,
     optimizer_step,
+    peak_memory_mb,
     start_rank,
     timed_default_hook,
     timed_micro_batch,
     timed_optimizer_step,
+    timed_steps,
     warm_up,
 )
 from commlab.training.modes import Mode
@@ -215,7 +215,6 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     micro = max(per_rank // accum, 1)
     scaler = torch.amp.GradScaler(device.type) if args["amp"] == "fp16" else None
     amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args["amp"])
-    proc = psutil.Process()
     opt_times: list[float] = []
 
     def forward_loss(x, y):
@@ -250,29 +249,9 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         state.reset()
     elif state is not None:
         state.reset_stats()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    sampler = metrics.NvmlSampler([device.index]) if cuda else None  # one metric per device type, as DP's
-    if sampler is not None:
-        sampler.start()
-    cpu0, wall0 = sum(proc.cpu_times()[:2]), time.perf_counter()
-    loss = 0.0
-    for i in range(args["warmup"], args["warmup"] + args["iters"]):
-        t0 = time.perf_counter()
-        loss = step(i)
-        times.append(time.perf_counter() - t0)
+    times, loss, util = timed_steps(step, args, device)
     optimizer_ms = sorted(opt_times)[len(opt_times) // 2] * 1e3 if opt_times else None  # the timed steps'
-    if sampler is not None:
-        util = (sampler.stop() or [None])[0]
-    else:
-        util = (sum(proc.cpu_times()[:2]) - cpu0) / (time.perf_counter() - wall0) * 100
-    slowest = torch.tensor(times, dtype=torch.float64)
-    mean_loss = torch.tensor([loss], dtype=torch.float64)
-    if cuda and backend == "nccl":
-        slowest, mean_loss = slowest.to(device), mean_loss.to(device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    dist.all_reduce(mean_loss)
+    slowest, mean_loss = across_ranks(times, loss, device, world)
     st = state.stats() if state is not None else {"mean_total_comm_ms": 0.0, "mean_exposed_ms": 0.0}
     timing = state if isinstance(state, hooks.BucketStats) else getattr(state, "timing", None)
     if device_timed:  # the buckets' host spans are launches: no per-bucket spans, the device's sums
@@ -283,41 +262,46 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
                           m.all_reduce or "noop")
     per_step = st.get("per_iteration") or [{"bytes": 0}]
     tensors, params = _tensor_bytes_and_params(ddp, opt, lambda: step(args["warmup"] + args["iters"]), args)
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; the true peak, mid-step too
-    mem = (torch.cuda.max_memory_allocated(device) if cuda else peak_rss) / 2**20
-    if not cuda:
-        emulate_memory_limit(peak_rss, rss_before_model, args["mem_limit_mb"])
+    mem = peak_memory_mb(device, rss_before_model, args)
     if isinstance(state, hooks.CommState):
         state.close()
     skew = ends = units = wait_se = None
     if m.noop and not cuda:  # one clock: the ranks of one machine
-        # The timed steps (not the measuring step after them), and the last warm-up step: where
-        # the first timed one's stretch since the previous end of backward begins.
-        timed = range(args["warmup"], args["warmup"] + args["iters"])
-        kept = range(max(0, timed.start - 1), timed.stop)
-        logs, marks, starts = [None] * world, [None] * world, [None] * world
-        dist.all_gather_object(logs, [t for t in arrivals["times"] if t[0] in kept])
-        dist.all_gather_object(starts, {i: t for i, t in arrivals["starts"].items() if i in kept})
-        root_end = [(i, "e", -1, max(ranks.values())) for i, ranks in _ends([arrivals["times"]]).items()]
-        dist.all_gather_object(marks, [t for t in arrivals["marks"] + root_end if t[0] in timed])
-        cores = len(os.sched_getaffinity(0))
-        in_timed = [[t for t in log if t[0] in timed] for log in logs]
-        # DDP's ranks drift from one end of backward to the next; ZeRO-1's from the step's
-        # start (its broadcasts line them up after the optimizer).
-        skew = arrival_skew_ms(logs, cores, starts=starts)
-        from_start = arrival_skew_ms(in_timed, cores)
-        ends = backward_ends_ms(in_timed)
-        # FSDP synchronises at each block's forward, backward (resharded) and backward's end.
-        units = {**{kinds: unit_waits_ms(marks, cores, kinds) for kinds in ("fbe", "fe")}, "step_start": from_start}
-        # How much each figure moves from step to step: the predicted exposed sync's ± (keys as units').
-        wait_se = {"step": arrival_skew_ms(logs, cores, se=True, starts=starts),
-                   "step_start": arrival_skew_ms(in_timed, cores, se=True),
-                   **{kinds: unit_waits_ms(marks, cores, kinds, se=True) for kinds in ("fbe", "fe")}}
-    return {"times": slowest.cpu().tolist(), "loss": float(mean_loss.item()) / world, "memory_mb": mem,
+        skew, ends, units, wait_se = arrival_figures(arrivals, world, args)
+    return {"times": slowest, "loss": mean_loss, "memory_mb": mem,
             "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"],
             "arrival_skew_ms": skew, "backward_end_ms": ends, "unit_waits_ms": units, "wait_se_ms": wait_se,
             "comm_bytes": per_step[-1]["bytes"], **tensors, "params": params, "optimizer_ms": optimizer_ms,
             "trace": traced}
+
+
+def arrival_figures(arrivals: dict, world: int, args: dict) -> tuple:
+    """ddp:noop's ranks on one machine's clock: (how far apart they reach the end of
+    backward, each step's backward ends, FSDP's per-unit waits, each figure's standard
+    error), from every rank's hand-overs and marks of the timed steps (collective)."""
+    # The timed steps (not the measuring step after them), and the last warm-up step: where
+    # the first timed one's stretch since the previous end of backward begins.
+    timed = range(args["warmup"], args["warmup"] + args["iters"])
+    kept = range(max(0, timed.start - 1), timed.stop)
+    logs, marks, starts = [None] * world, [None] * world, [None] * world
+    dist.all_gather_object(logs, [t for t in arrivals["times"] if t[0] in kept])
+    dist.all_gather_object(starts, {i: t for i, t in arrivals["starts"].items() if i in kept})
+    root_end = [(i, "e", -1, max(ranks.values())) for i, ranks in _ends([arrivals["times"]]).items()]
+    dist.all_gather_object(marks, [t for t in arrivals["marks"] + root_end if t[0] in timed])
+    cores = len(os.sched_getaffinity(0))
+    in_timed = [[t for t in log if t[0] in timed] for log in logs]
+    # DDP's ranks drift from one end of backward to the next; ZeRO-1's from the step's
+    # start (its broadcasts line them up after the optimizer).
+    skew = arrival_skew_ms(logs, cores, starts=starts)
+    from_start = arrival_skew_ms(in_timed, cores)
+    ends = backward_ends_ms(in_timed)
+    # FSDP synchronises at each block's forward, backward (resharded) and backward's end.
+    units = {**{kinds: unit_waits_ms(marks, cores, kinds) for kinds in ("fbe", "fe")}, "step_start": from_start}
+    # How much each figure moves from step to step: the predicted exposed sync's ± (keys as units').
+    wait_se = {"step": arrival_skew_ms(logs, cores, se=True, starts=starts),
+               "step_start": arrival_skew_ms(in_timed, cores, se=True),
+               **{kinds: unit_waits_ms(marks, cores, kinds, se=True) for kinds in ("fbe", "fe")}}
+    return skew, ends, units, wait_se
 
 
 def _tensor_bytes_and_params(ddp, opt, one_step, args: dict) -> tuple[dict, list | None]:
