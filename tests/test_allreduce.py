@@ -173,6 +173,11 @@ def test_refusals_identical_on_every_rank(ranks):
         assert msg != "NOT RAISED", name
     assert all(r == results[0] for r in results), "ranks raised different errors"
     assert results[0][-1] == ("after", [3.0] * 4)
+    said = dict(results[0][:-1])  # each names what it refused
+    assert "all_reduce of dtype torch.bool is not supported" in said["bool dtype"], said
+    assert "torch.complex64" in said["complex dtype"] and "BAND" in said["BAND op"], said
+    assert "'nope'" in said["unknown algorithm"] and "list" in said["not a tensor"], said
+    assert "sparse" in said["sparse"], said
     assert issubclass(commlab.UnsupportedError, ValueError)
     assert issubclass(commlab.UnsupportedError, commlab.CommlabError)
 

@@ -6,8 +6,6 @@ import torch
 
 from commlab.algorithms import all_gather as family_
 from commlab.api import family
-from commlab.core import groups
-from commlab.core.errors import UnsupportedError
 
 
 def all_gather(output, input, group=None, *, algorithm: str = "ring", async_op: bool = False):
@@ -23,7 +21,7 @@ def all_gather(output, input, group=None, *, algorithm: str = "ring", async_op: 
         plan = family.fast_plan(("all_gather", algorithm, id(group)))
         if plan is not None and family.run_fast(plan, output, input):
             return None
-    return family.run(_plan(output, input, group, algorithm), output, input, async_op)
+    return family.run(_plans.plan(algorithm, group, output, output, input), output, input, async_op)
 
 
 class _Plan(family.Plan):
@@ -48,19 +46,4 @@ class _Plan(family.Plan):
         out.copy_(buf.view(out.shape))
 
 
-_plans = family.Plans()
-
-
-def _plan(out, inp, group, algorithm: str) -> _Plan:
-    family.check_tensors("all_gather", out, inp)
-    key = family.key_of(algorithm, id(group), out.dtype, out.is_cpu, out.is_cuda)
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
-    alg = family_.get(algorithm)
-    info = groups.resolve(group)
-    family.check_device(alg, "all_gather", out)
-    reason = alg.unsupported(out, info)
-    if reason:
-        raise UnsupportedError(f"commlab[{alg.name}]: {reason}")
-    return _plans.put(key, _Plan(alg, info, family_.names), out, ("all_gather", algorithm, id(group)))
+_plans = family.Plans(_Plan, family_)

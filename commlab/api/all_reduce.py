@@ -6,9 +6,7 @@ import torch.distributed as dist
 
 from commlab import algorithms
 from commlab.api import family
-from commlab.core import groups
-from commlab.core.errors import UnsupportedError
-from commlab.core.reduction import SUPPORTED_DTYPES, Op, finish_average_, parse_op
+from commlab.core.reduction import Op, finish_average_
 
 
 def algorithm_names() -> list[str]:
@@ -31,7 +29,7 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, *, algorithm: str = "ri
         plan = family.fast_plan(("all_reduce", algorithm, id(op), id(group)))
         if plan is not None and plan.op_key is op and family.run_fast(plan, tensor):
             return None
-    return family.run(_plan(tensor, op, group, algorithm), tensor, tensor, async_op)
+    return family.run(_plans.plan(algorithm, group, tensor, tensor, op=op), tensor, tensor, async_op)
 
 
 class _Plan(family.Plan):
@@ -60,30 +58,4 @@ class _Plan(family.Plan):
         inp.copy_(buf.view(inp.shape))
 
 
-_plans = family.Plans()
-
-
-def _plan(tensor, op, group, algorithm: str) -> _Plan:
-    # The key is built from the cheapest attributes there are: tensor.device.type and
-    # hashing a ReduceOp cost more than a small shm call's transport
-    # (docs/measurements.md#figures-behind-the-codes-choices). The op is keyed by
-    # identity; the plan keeps it alive, so its id cannot be reused while the plan is
-    # cached, and an equal op of another identity just takes the slow path.
-    family.check_tensors("all_reduce", tensor)
-    key = family.key_of(algorithm, id(op), id(group), tensor.dtype, tensor.is_cpu, tensor.is_cuda)
-    plan = _plans.get(key, op)
-    if plan is not None:
-        return plan
-    alg = algorithms.get(algorithm)
-    reduce_op = parse_op(op)
-    if tensor.dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
-        raise UnsupportedError(f"commlab: dtype {tensor.dtype} is not supported (supported: {names})")
-    info = groups.resolve(group)
-    family.check_device(alg, "all_reduce", tensor)
-    reason = alg.unsupported(tensor, Op.SUM if reduce_op is Op.AVG else reduce_op, info)
-    if reason:
-        raise UnsupportedError(f"commlab[{alg.name}]: {reason}")
-    plan = _Plan(alg, info, algorithms.names, reduce_op, op)
-    # AVG divides after the exchange, in Python: only the long way does it.
-    return _plans.put(key, plan, tensor, None if reduce_op is Op.AVG else ("all_reduce", algorithm, id(op), id(group)))
+_plans = family.Plans(_Plan, algorithms, reduces=True)

@@ -9,8 +9,6 @@ import torch
 from commlab.algorithms import all_to_all as family_
 from commlab.algorithms.all_to_all.base import Counts
 from commlab.api import family
-from commlab.core import groups
-from commlab.core.errors import UnsupportedError
 from commlab.transports.records import CallRecord
 
 
@@ -31,7 +29,7 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
         plan = family.fast_plan(("all_to_all", algorithm, id(group)))
         if plan is not None and family.run_fast(plan, output, input):
             return None
-    plan = _plan(output, input, group, algorithm)
+    plan = _plans.plan(algorithm, group, input, output, input)
     counts = _counts(plan, output, input, output_split_sizes, input_split_sizes)
     return family.run(plan, output, input, async_op, extra=counts)
 
@@ -95,19 +93,4 @@ class _Plan(family.Plan):
             out.copy_(result.view(out.shape))
 
 
-_plans = family.Plans()
-
-
-def _plan(out, inp, group, algorithm: str) -> _Plan:
-    family.check_tensors("all_to_all", out, inp)
-    key = family.key_of(algorithm, id(group), inp.dtype, inp.is_cpu, inp.is_cuda)
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
-    alg = family_.get(algorithm)
-    info = groups.resolve(group)
-    family.check_device(alg, "all_to_all", inp)
-    reason = alg.unsupported(inp, info)
-    if reason:
-        raise UnsupportedError(f"commlab[{alg.name}]: {reason}")
-    return _plans.put(key, _Plan(alg, info, family_.names), inp, ("all_to_all", algorithm, id(group)))
+_plans = family.Plans(_Plan, family_)

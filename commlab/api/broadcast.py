@@ -6,8 +6,6 @@ import torch
 
 from commlab.algorithms import broadcast as family_
 from commlab.api import family
-from commlab.core import groups
-from commlab.core.errors import UnsupportedError
 
 
 def broadcast(tensor, src: int | None = None, group=None, *, algorithm: str = "binomial", async_op: bool = False,
@@ -28,7 +26,7 @@ def broadcast(tensor, src: int | None = None, group=None, *, algorithm: str = "b
                 root = group_src if src is None else None
             if type(root) is int and family.run_fast(plan, tensor, root):
                 return None
-    plan = _plan(tensor, group, algorithm)
+    plan = _plans.plan(algorithm, group, tensor, tensor)
     if (src is None) == (group_src is None):
         plan.refuse(f"takes one of src (a global rank) and group_src, got src={src}, group_src={group_src}")
     if group_src is None:
@@ -61,19 +59,4 @@ class _Plan(family.Plan):
         out.copy_(buf.view(out.shape))
 
 
-_plans = family.Plans()
-
-
-def _plan(t, group, algorithm: str) -> _Plan:
-    family.check_tensors("broadcast", t)
-    key = family.key_of(algorithm, id(group), t.dtype, t.is_cpu, t.is_cuda)
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
-    alg = family_.get(algorithm)
-    info = groups.resolve(group)
-    family.check_device(alg, "broadcast", t)
-    reason = alg.unsupported(t, info)
-    if reason:
-        raise UnsupportedError(f"commlab[{alg.name}]: {reason}")
-    return _plans.put(key, _Plan(alg, info, family_.names), t, ("broadcast", algorithm, id(group)))
+_plans = family.Plans(_Plan, family_)

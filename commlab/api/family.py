@@ -15,7 +15,7 @@ from commlab.algorithms.base import Context
 from commlab.api import lanes
 from commlab.core import groups
 from commlab.core.errors import CollectiveMismatchError, UnsupportedError
-from commlab.core.reduction import Op
+from commlab.core.reduction import SUPPORTED_DTYPES, Op, parse_op
 from commlab.transports.p2p import P2P
 from commlab.transports.records import CallRecord
 
@@ -216,8 +216,41 @@ class Plans:
 
     MAX = 256
 
-    def __init__(self):
+    def __init__(self, plan_class: type[Plan], registry, reduces: bool = False):
         self._plans: dict[tuple, Plan] = {}
+        self.plan_class = plan_class
+        self.registry = registry  # the family's registry (get, names)
+        self.reduces = reduces  # whether its calls take an op (its key, its refusals)
+
+    def plan(self, algorithm: str, group, like: torch.Tensor, *tensors, op=None) -> Plan:
+        """The plan of a call on `tensors` (`like`: the one whose dtype and device key it and
+        whose facts the algorithm judges), validated once from facts every rank shares, so
+        a refusal is the same error on every rank before any traffic. The op is keyed by
+        identity (hashing a ReduceOp costs more than a small shm call's transport,
+        docs/measurements.md#figures-behind-the-codes-choices); the plan keeps it alive, so
+        its id is not reused while cached, and an equal op of another identity just takes
+        the long way."""
+        collective = self.plan_class.collective
+        check_tensors(collective, *tensors)
+        ids = (id(op), id(group)) if self.reduces else (id(group),)
+        key = key_of(algorithm, *ids, like.dtype, like.is_cpu, like.is_cuda)
+        plan = self.get(key, op)
+        if plan is not None:
+            return plan
+        alg = self.registry.get(algorithm)
+        reduce_op = parse_op(op) if self.reduces else None
+        if self.reduces and like.dtype not in SUPPORTED_DTYPES:
+            names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+            raise UnsupportedError(f"commlab: {collective} of dtype {like.dtype} is not supported (supported: {names})")
+        info = groups.resolve(group)
+        check_device(alg, collective, like)
+        facts = (like, Op.SUM if reduce_op is Op.AVG else reduce_op, info) if self.reduces else (like, info)
+        reason = alg.unsupported(*facts)
+        if reason:
+            raise UnsupportedError(f"commlab[{alg.name}]: {reason}")
+        plan = self.plan_class(alg, info, self.registry.names, reduce_op, op)
+        # AVG divides after the exchange, in Python: only the long way does it.
+        return self.put(key, plan, like, None if reduce_op is Op.AVG else (collective, algorithm, *ids))
 
     def __len__(self) -> int:
         return len(self._plans)

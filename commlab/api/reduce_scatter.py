@@ -7,9 +7,7 @@ import torch.distributed as dist
 
 from commlab.algorithms import reduce_scatter as family_
 from commlab.api import family
-from commlab.core import groups
-from commlab.core.errors import UnsupportedError
-from commlab.core.reduction import SUPPORTED_DTYPES, Op, finish_average_, parse_op
+from commlab.core.reduction import Op, finish_average_
 
 
 def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, *, algorithm: str = "ring",
@@ -28,7 +26,7 @@ def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, *, algorithm
         plan = family.fast_plan(("reduce_scatter", algorithm, id(op), id(group)))
         if plan is not None and plan.op_key is op and family.run_fast(plan, output, input):
             return None
-    return family.run(_plan(output, input, op, group, algorithm), output, input, async_op)
+    return family.run(_plans.plan(algorithm, group, input, output, input, op=op), output, input, async_op)
 
 
 class _Plan(family.Plan):
@@ -57,25 +55,4 @@ class _Plan(family.Plan):
             out.copy_(result.view(out.shape))
 
 
-_plans = family.Plans()
-
-
-def _plan(out, inp, op, group, algorithm: str) -> _Plan:
-    family.check_tensors("reduce_scatter", out, inp)
-    key = family.key_of(algorithm, id(op), id(group), inp.dtype, inp.is_cpu, inp.is_cuda)
-    plan = _plans.get(key, op)
-    if plan is not None:
-        return plan
-    alg = family_.get(algorithm)
-    reduce_op = parse_op(op)
-    if inp.dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
-        raise UnsupportedError(f"commlab: reduce_scatter of dtype {inp.dtype} is not supported (supported: {names})")
-    info = groups.resolve(group)
-    family.check_device(alg, "reduce_scatter", inp)
-    reason = alg.unsupported(inp, Op.SUM if reduce_op is Op.AVG else reduce_op, info)
-    if reason:
-        raise UnsupportedError(f"commlab[{alg.name}]: {reason}")
-    plan = _Plan(alg, info, family_.names, reduce_op, op)
-    # AVG divides after the exchange, in Python: only the long way does it.
-    return _plans.put(key, plan, inp, None if reduce_op is Op.AVG else ("reduce_scatter", algorithm, id(op), id(group)))
+_plans = family.Plans(_Plan, family_, reduces=True)
