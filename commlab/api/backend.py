@@ -51,6 +51,7 @@ from commlab.api import broadcast as casts
 from commlab.api import lanes
 from commlab.api import reduce_scatter as scatters
 from commlab.core import groups
+from commlab.core.collectives import backend_algorithm
 from commlab.core.errors import CollectiveMismatchError, CommlabError
 from commlab.core.reduction import SUPPORTED_DTYPES, Op, parse_op
 from commlab.transports import shm
@@ -58,10 +59,6 @@ from commlab.transports.setup import gather, host_ids
 
 NAME = "commlab"
 LABEL = "backend"  # how errors name the backend's own calls: commlab[backend]
-
-
-def _algorithm() -> str:
-    return os.environ.get("COMMLAB_ALGORITHM", "") or "auto"
 
 
 def _collectives() -> str:
@@ -79,7 +76,7 @@ class CommlabBackend(_C10dBackend):
         self._front = dist.ProcessGroupGloo(dist.PrefixStore("front/", store), rank, size, timeout)
         self._inner = dist.ProcessGroupGloo(dist.PrefixStore("inner/", store), rank, size, timeout)
         self._group = weakref.ref(group)  # the ProcessGroup this backend serves; it owns us
-        self._algorithm = _algorithm()
+        self._algorithm = backend_algorithm("all_reduce")
         self._collectives = _collectives()
         self._shm: bool | None = None  # do the other collectives go through shared memory? (decided on first use)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -116,7 +113,7 @@ class CommlabBackend(_C10dBackend):
         if _internal() or not (_cpu_strided(output) and _cpu_strided(inp) and output.dtype == inp.dtype
                                and output.numel() == inp.numel() * self.size()):
             return self._delegate("all_gather_single", output, inp, opts)
-        return self._registry_or_gloo(lambda g: gathers.all_gather(output, inp, g, algorithm=_gather_algorithm()),
+        return self._registry_or_gloo(lambda g: gathers.all_gather(output, inp, g, algorithm=backend_algorithm("all_gather")),
                                       [output], "all_gather_single", output, inp, opts)
 
     def allgather(self, outputs, inputs, opts):
@@ -130,7 +127,7 @@ class CommlabBackend(_C10dBackend):
 
         def run(group):
             flat = torch.empty(p * inp.numel(), dtype=inp.dtype)
-            gathers.all_gather(flat, inp, group, algorithm=_gather_algorithm())
+            gathers.all_gather(flat, inp, group, algorithm=backend_algorithm("all_gather"))
             for j, o in enumerate(outs):
                 o.copy_(flat[j * inp.numel():(j + 1) * inp.numel()].view_as(o))
 
@@ -143,7 +140,7 @@ class CommlabBackend(_C10dBackend):
                                              and inp.numel() == output.numel() * self.size()):
             return self._delegate("reduce_scatter_single", output, inp, opts)
         return self._registry_or_gloo(
-            lambda g: scatters.reduce_scatter(output, inp, op, g, algorithm=_scatter_algorithm()),
+            lambda g: scatters.reduce_scatter(output, inp, op, g, algorithm=backend_algorithm("reduce_scatter")),
             [output], "reduce_scatter_single", output, inp, opts)
 
     def reduce_scatter(self, outputs, inputs, opts):
@@ -158,7 +155,7 @@ class CommlabBackend(_C10dBackend):
 
         def run(group):
             whole = torch.cat([i.reshape(-1) for i in parts])
-            scatters.reduce_scatter(output, whole, op, group, algorithm=_scatter_algorithm())
+            scatters.reduce_scatter(output, whole, op, group, algorithm=backend_algorithm("reduce_scatter"))
 
         return self._registry_or_gloo(run, outputs, "reduce_scatter", outputs, inputs, opts)
 
@@ -167,7 +164,7 @@ class CommlabBackend(_C10dBackend):
             return self._delegate("broadcast", tensors, opts)
         t, root = tensors[0], opts.rootRank  # a rank of this group
         return self._registry_or_gloo(
-            lambda g: casts.broadcast(t, group=g, group_src=root, algorithm=_broadcast_algorithm()),
+            lambda g: casts.broadcast(t, group=g, group_src=root, algorithm=backend_algorithm("broadcast")),
             tensors, "broadcast", tensors, opts)
 
     def all_to_all_single(self, output, inp, output_splits, input_splits, opts):
@@ -175,7 +172,7 @@ class CommlabBackend(_C10dBackend):
             return self._delegate("all_to_all_single", output, inp, output_splits, input_splits, opts)
         osp, isp = list(output_splits) or None, list(input_splits) or None  # c10d's empty list: even
         return self._registry_or_gloo(
-            lambda g: swaps.all_to_all(output, inp, osp, isp, g, algorithm=_all_to_all_algorithm()),
+            lambda g: swaps.all_to_all(output, inp, osp, isp, g, algorithm=backend_algorithm("all_to_all")),
             [output], "all_to_all_single", output, inp, output_splits, input_splits, opts)
 
     def alltoall(self, outputs, inputs, opts):
@@ -189,7 +186,7 @@ class CommlabBackend(_C10dBackend):
             whole = torch.cat([t.reshape(-1) for t in inputs])
             flat = torch.empty(sum(o.numel() for o in outputs), dtype=inputs[0].dtype)
             swaps.all_to_all(flat, whole, [o.numel() for o in outputs], [t.numel() for t in inputs], group,
-                             algorithm=_all_to_all_algorithm())
+                             algorithm=backend_algorithm("all_to_all"))
             for o, piece in zip(outputs, flat.split([o.numel() for o in outputs])):
                 o.copy_(piece.view(o.shape))
 
@@ -360,22 +357,6 @@ def _served(t: torch.Tensor) -> bool:
 def _cpu_strided(t: torch.Tensor) -> bool:
     """What the families' APIs take (any layout of a strided CPU tensor)."""
     return isinstance(t, torch.Tensor) and t.is_cpu and t.layout == torch.strided
-
-
-def _gather_algorithm() -> str:
-    return os.environ.get("COMMLAB_ALL_GATHER_ALGORITHM", "") or "auto"
-
-
-def _scatter_algorithm() -> str:
-    return os.environ.get("COMMLAB_REDUCE_SCATTER_ALGORITHM", "") or "auto"
-
-
-def _all_to_all_algorithm() -> str:
-    return os.environ.get("COMMLAB_ALL_TO_ALL_ALGORITHM", "") or "auto"
-
-
-def _broadcast_algorithm() -> str:
-    return os.environ.get("COMMLAB_BROADCAST_ALGORITHM", "") or "auto"
 
 
 def _reduce_op(op) -> Op | None:
