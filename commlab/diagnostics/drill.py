@@ -32,10 +32,11 @@ import time
 import torch
 import torch.distributed as dist
 
-import commlab
 from commlab import algorithms
 from commlab.core.errors import CommlabError
+from commlab.core.reduction import Op
 from commlab.measure.pools import RankPool
+from commlab.measure.specs import SPECS, check_input
 from commlab.transports import p2p
 from commlab.transports.link import peer_timeout
 
@@ -65,70 +66,24 @@ def _arm(fault: str, at: float) -> None:
         p2p.P2P.collective = failing(p2p.P2P.collective)  # builtin: gloo's all-reduce
 
 
-def _all_reduce_call(algorithm: str, p: int):
-
-    x = torch.ones(1 << 16)
-
-    def call():
-        commlab.all_reduce(x.fill_(1.0), algorithm=algorithm)
-        return bool((x == p).all())
-    return call
-
-
-def _all_gather_call(algorithm: str, p: int):
-
-    x, out = torch.ones(1 << 16), torch.empty(p << 16)
-
-    def call():
-        out.zero_()
-        commlab.all_gather(out, x, algorithm=algorithm)
-        return bool((out == 1.0).all())
-    return call
-
-
-def _reduce_scatter_call(algorithm: str, p: int):
-
-    x, out = torch.ones(p << 16), torch.empty(1 << 16)
-
-    def call():
-        out.zero_()
-        commlab.reduce_scatter(out, x, algorithm=algorithm)
-        return bool((out == p).all())
-    return call
-
-
-def _broadcast_call(algorithm: str, p: int):
-
-
-    x = torch.empty(1 << 16)
-
-    def call():
-        x.fill_(float(dist.get_rank() + 1))
-        commlab.broadcast(x, src=0, algorithm=algorithm)
-        return bool((x == 1.0).all())
-    return call
-
-
-def _all_to_all_call(algorithm: str, p: int):
-
-
-    x, out = torch.empty(p << 16), torch.empty(p << 16)
-
-    def call():
-        x.fill_(float(dist.get_rank() + 1))
-        out.zero_()
-        commlab.all_to_all(out, x, algorithm=algorithm)
-        return bool((out.view(p, -1) == torch.arange(1, p + 1, dtype=out.dtype).view(p, 1)).all())
-    return call
-
-
-# One call of each collective on 256 KiB a rank (several steps), returning its check.
-_CALLS = {"all_reduce": _all_reduce_call, "all_gather": _all_gather_call, "reduce_scatter": _reduce_scatter_call,
-          "broadcast": _broadcast_call, "all_to_all": _all_to_all_call}
-
-
 def _call_of(collective: str, algorithm: str, p: int):
-    return _CALLS[collective](algorithm, p)
+    """One call of the collective through its spec (measure/specs.py) on 1 MiB, nccl-tests'
+    size (several steps, several shared-memory pieces), returning whether every element
+    this rank holds afterwards is what it must: wrong data is a drill's failure too."""
+    spec = SPECS[collective]
+    rank, count = dist.get_rank(), spec.count(1 << 20, 4, p)
+    first = check_input(rank, count, torch.float32, Op.SUM, "cpu")
+    want = spec.want(rank, p, count, torch.float32, Op.SUM, "cpu")
+    inp = first.clone()
+    out = torch.empty(spec.output(count, p)) if spec.output is not None else inp
+
+    def call():
+        inp.copy_(first)  # in place for all-reduce and broadcast: the input is the result
+        if out is not inp:
+            out.zero_()
+        spec.run(algorithm, out, inp, Op.SUM)
+        return torch.equal(out, want)
+    return call
 
 
 def _release_frozen(key: str, p: int, victim_pid: int) -> None:
