@@ -121,7 +121,7 @@ setup(
     name="commlab",
     version=VERSION,
     packages=find_packages(include=["commlab", "commlab.*"]),
-    package_data={"commlab.training.predict": ["profiles/*.json"]},  # hardware profiles: data, not code
+    package_data={"commlab.experiments.predict": ["profiles/*.json"]},  # hardware profiles: data, not code
     ext_modules=[extension()],
     cmdclass={"build_ext": Build.with_options(use_ninja=True)},
 )

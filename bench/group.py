@@ -96,7 +96,7 @@ def ddp_step(rank: int, hook: str, algorithm: str):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import commlab.hooks as hooks
-    from commlab.training import workloads
+    from commlab.experiments import workloads
 
     torch.manual_seed(0)
     model = DDP(workloads.mlp(**MODEL), bucket_cap_mb=4)

@@ -7,7 +7,7 @@ async/blocking ratio is what overlapping communication with backward buys.
 import pytest
 from group import BATCH, MODEL
 
-from commlab.training import workloads
+from commlab.experiments import workloads
 
 ROUNDS, WARMUP = 5, 2
 CASES = [("ddp", "builtin"), ("noop", "builtin")] + [

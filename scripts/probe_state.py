@@ -49,7 +49,7 @@ def _rank(rank: int, world: int, order: list[str], width: int, depth: int, steps
           reps: int):
     from torch.distributed.fsdp import fully_shard
 
-    from commlab.training import workloads
+    from commlab.experiments import workloads
 
     torch.manual_seed(0)
     w = workloads.build("transformer", width=width, depth=depth)

@@ -107,7 +107,7 @@ def test_where_nothing_fits_advise_predicts_accumulation_and_recomputation_at_th
     its figures those commlab.predict gives for the same flags; where even one sample per
     device does not fit, the least it could take is named (where the parameters, gradients
     and optimizer state alone do not fit, which neither option shrinks, nothing is tried)."""
-    from commlab.training.predict import hardware, per_mode, replicated
+    from commlab.experiments.predict import hardware, per_mode, replicated
 
     got = {}
     for limit in (120, 60, 16, 10):

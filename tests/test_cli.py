@@ -319,7 +319,7 @@ def test_the_floors_can_be_left_out_and_this_hosts_fit_leaves_them_out(tmp_path,
     assert "efficiency" not in proc.stdout and ": floor" not in proc.stdout
     import subprocess as sp
 
-    from commlab.training.compare import calibrate
+    from commlab.experiments.compare import calibrate
 
     seen = []
 

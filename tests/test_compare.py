@@ -14,7 +14,7 @@ MODE_KEYS = {"mode", "status", "reason", "iter_ms", "samples_per_s", "peak_memor
 def test_find_max_batch_search(limit, start):
     """The search against a fake run that runs out of memory above `limit` (fast and
     exact; the real runs are covered below)."""
-    from commlab.training.compare import search
+    from commlab.experiments.compare import search
 
     seen = []
 
@@ -36,7 +36,7 @@ def test_find_max_batch_search(limit, start):
 
 
 def test_utilization_is_one_named_metric_per_device_type():
-    from commlab.training.compare import report
+    from commlab.experiments.compare import report
 
     ok = {"status": "ok", "iter_ms": {"median": 10.0, "p90": 11.0}, "samples_per_s": 1.0, "peak_memory_mb": [1.0],
           "grad_sync_ms": {"total": 1.0, "exposed": 1.0}, "final_loss": 0.5}
@@ -52,7 +52,7 @@ def test_the_exposed_sync_shows_how_much_it_moves_from_step_to_step():
     """Where ranks outnumber cores most of the exposed sync is waiting for a slower rank,
     which moves severalfold between steps: the table gives each figure its standard
     error over the timed steps, so a prediction's distance can be read against it."""
-    from commlab.training.compare import report
+    from commlab.experiments.compare import report
 
     ok = {"status": "ok", "iter_ms": {"median": 10.0, "p90": 11.0}, "samples_per_s": 1.0, "peak_memory_mb": [1.0],
           "util_percent": [50.0], "final_loss": 0.5}
@@ -71,7 +71,7 @@ def test_the_exposed_sync_shows_how_much_it_moves_from_step_to_step():
 def test_the_sharded_modes_run_out_of_emulated_memory_too(mode):
     """--mem-limit-mb on CPU (and so --find-max-batch) binds every mode: a sharded rank
     that ignored it trained on at any batch, and the search ran to its cap."""
-    from commlab.training.compare import modes
+    from commlab.experiments.compare import modes
 
     args = {"device": "cpu", "share_gpu": False, "timeout": 60.0, "mem_limit_mb": 1.0, "model": "transformer",
             "width": 64, "depth": 2, "input_shape": None, "checkpoint": False, "bucket_cap_mb": 25.0, "lr": 1e-3,
@@ -90,9 +90,9 @@ def test_sharded_modes_accumulate_autocast_and_checkpoint_as_ddp_does():
     on an overflow across the shards); checkpointing recomputes each block in backward.
     Every mode ends with DDP's parameters, and commlab.predict with the same
     flags puts the same bytes on the wire and each rank's tensor bytes within 10 %."""
-    from commlab.training import workloads
-    from commlab.training.compare import modes
-    from commlab.training.predict import hardware, per_mode, replicated
+    from commlab.experiments import workloads
+    from commlab.experiments.compare import modes
+    from commlab.experiments.predict import hardware, per_mode, replicated
 
     args = {"device": "cpu", "share_gpu": False, "timeout": 60.0, "mem_limit_mb": None, "model": "transformer",
             "width": 64, "depth": 2, "input_shape": None, "checkpoint": False, "bucket_cap_mb": 25.0, "lr": 1e-3,
@@ -136,8 +136,8 @@ def test_sharded_modes_train_alike_and_hold_what_the_formulas_say():
     same parameters; each rank's tensor bytes are what the per-parameter formulas say
     (DDP 4 param + 4 grad + 4 bucket + 8 Adam; ZeRO-1 the Adam state / p; FSDP all of it
     / p plus what is gathered), and so are the bytes communicated per step."""
-    from commlab.training import workloads
-    from commlab.training.compare import modes
+    from commlab.experiments import workloads
+    from commlab.experiments.compare import modes
 
     p = 2
     args = {"device": "cpu", "share_gpu": False, "timeout": 60.0, "mem_limit_mb": None, "model": "transformer",
@@ -179,7 +179,7 @@ def test_sharded_modes_train_alike_and_hold_what_the_formulas_say():
         assert rows[m]["comm_mb"] * mib == pytest.approx(4 * k * n, rel=0.05), (m, rows[m]["comm_mb"])
     # commlab.predict follows the same tensors through its schedule of the step: each
     # mode's peak within 10 % of what the ranks measured, and the same bytes on the wire.
-    from commlab.training.predict import hardware, per_mode, replicated
+    from commlab.experiments.predict import hardware, per_mode, replicated
 
     fit = {"alpha_us": 50.0, "beta_us_per_byte": 1e-3, "gamma_us_per_byte": 1e-4}
     host = hardware.Profile(name="t", description="", device="cpu", memory_bytes=0.0, memory_bandwidth_gbps=0.0,
@@ -216,7 +216,7 @@ def test_the_waiting_predicted_from_the_compute_only_step_shares_the_cores_of_ra
     table's own statistic. The first bucket's median spread, charged before, read 83-391 ms
     in three identical runs against 69-306 measured; this reads 196-210 against 130-319
     (docs/measurements.md)."""
-    from commlab.training.compare import workers
+    from commlab.experiments.compare import workers
 
     # 4 ranks on 2 cores ending backward 0, 100, 200 and 300 ms apart when none waits: each
     # ran at half a core; once the first waits the other three get 2/3 of one, and so on.
@@ -248,7 +248,7 @@ def test_ddps_wait_is_the_drift_from_one_end_of_backward_to_the_next():
     ddp's wait measured 376 ms; the drift from each step's start predicted 276, from one
     end of backward to the next 380 (docs/measurements.md). ZeRO-1's broadcasts line the
     ranks up after its optimizer: its wait stays the one from the step's start."""
-    from commlab.training.compare import workers
+    from commlab.experiments.compare import workers
 
     def log(*ends):  # (iteration, bucket, s after the rank's own start), iterations 4 and 5
         return [t for i, end in zip((4, 5), ends) for t in ((i, 0, end / 3), (i, 1, end))]
@@ -274,8 +274,8 @@ def test_fsdp_waits_are_the_drift_between_every_pair_of_units():
     arrivals with the cores shared, the waits summed over the step (docs/measurements.md)."""
     import torch
 
-    from commlab.training import workloads
-    from commlab.training.compare import workers
+    from commlab.experiments import workloads
+    from commlab.experiments.compare import workers
 
     def marks(*its):  # per iteration: (kind, seconds after the rank's own start), in order
         return [(i, kind, k, t) for i, it in enumerate(its) for k, (kind, t) in enumerate(it)]
@@ -310,7 +310,7 @@ def test_this_host_pools_the_compute_only_step_run_first_and_last():
     differently from minute to minute (one run in a slow phase moved every mode's
     prediction together): compare runs it before the first mode and after the last, and
     predicts from both — iterations pooled, waits averaged over the runs' iterations."""
-    from commlab.training.compare import calibrate
+    from commlab.experiments.compare import calibrate
 
     def noop(its, skew, opt, fbe, status="ok"):
         return {"mode": "ddp:noop", "status": status, "iteration_ms": its, "arrival_skew_ms": skew,
@@ -340,8 +340,8 @@ def test_the_units_marks_are_only_where_fsdp_synchronises():
     two and adds a wait)."""
     import torch
 
-    from commlab.training import workloads
-    from commlab.training.compare import workers
+    from commlab.experiments import workloads
+    from commlab.experiments.compare import workers
 
     wl = workloads.build("mlp", width=32, depth=2)
     model = workloads.Checkpointed(wl.model)  # two segments: the first is recomputed in backward
@@ -370,8 +370,8 @@ def test_the_units_marks_warn_nobody():
 
     import torch
 
-    from commlab.training import workloads
-    from commlab.training.compare import workers
+    from commlab.experiments import workloads
+    from commlab.experiments.compare import workers
 
     wl = workloads.build("mlp", width=32, depth=2)
     log = {"iteration": 0, "start": 0.0, "marks": []}
@@ -506,7 +506,7 @@ def test_this_host_pools_the_bench_and_probe_taken_first_and_last():
     and one sample reads one moment's phase of the machine (a probe at 19:59 put gloo's
     reduce-scatter at 170 ms where one an hour earlier read 125): like the compute-only
     step, each is taken first and last and averaged."""
-    from commlab.training.compare import calibrate
+    from commlab.experiments.compare import calibrate
 
     def bench(t, gamma):
         return {"collective": "all_gather", "env": {"world_size": 4, "gamma_us_per_byte": gamma},
@@ -557,7 +557,7 @@ def _record_runs_and_samples(monkeypatch, cli) -> list:
                 "exposed": 0.0, "after_arrival": 0.0}, "samples_per_s": 1.0, "peak_memory_mb": [1.0] * 2,
                 "util_percent": [1.0] * 2, "final_loss": 0.0}
 
-    from commlab.training.compare import calibrate
+    from commlab.experiments.compare import calibrate
 
     def sample(world, modes, args):
         events.append("sample")
@@ -570,7 +570,7 @@ def _record_runs_and_samples(monkeypatch, cli) -> list:
 
 
 def test_compare_samples_the_host_after_the_first_compute_only_step_and_after_the_last(monkeypatch):
-    from commlab.training.compare import cli
+    from commlab.experiments.compare import cli
 
     events = _record_runs_and_samples(monkeypatch, cli)
     cli.main(["--device", "cpu", "--world-size", "2", "--modes", "ddp:noop", "--model", "mlp", "--width", "16",
@@ -583,7 +583,7 @@ def test_compare_samples_the_host_in_the_middle_of_a_long_comparison_too(monkeyp
     first probe of the issue's five modes read every FSDP call 45 % slower than the last,
     and FSDP's three modes were predicted 25-28 % high); with a third taken between the
     modes, one slow moment is outvoted."""
-    from commlab.training.compare import cli
+    from commlab.experiments.compare import cli
 
     events = _record_runs_and_samples(monkeypatch, cli)
     monkeypatch.setattr(cli, "predicted", lambda *a, **k: [])
@@ -601,7 +601,7 @@ def test_compare_samples_the_host_in_the_middle_of_a_long_comparison_too(monkeyp
 
 
 def test_this_host_pools_three_samples_by_their_median():
-    from commlab.training.compare import calibrate
+    from commlab.experiments.compare import calibrate
 
     def sample(t, after, wait):
         bench = {"collective": "all_gather", "env": {"world_size": 4, "gamma_us_per_byte": t / 10},
@@ -625,7 +625,7 @@ def test_compare_repeats_every_mode_in_rounds(monkeypatch):
     last rank 406 and 807 ms a step in two runs of the same command, −2.8 σ apart):
     --repeat R runs every mode R times in fresh processes, in rounds, so a slow phase of the
     machine falls on every mode alike, and shows one column per mode."""
-    from commlab.training.compare import cli
+    from commlab.experiments.compare import cli
 
     events = _record_runs_and_samples(monkeypatch, cli)
     monkeypatch.setattr(cli, "predicted", lambda *a, **k: [])
@@ -644,7 +644,7 @@ def test_compare_repeats_every_mode_in_rounds(monkeypatch):
 
 
 def test_repeated_runs_pool_into_one_column_whose_plus_minus_is_run_to_run():
-    from commlab.training.compare import report
+    from commlab.experiments.compare import report
 
     def run(its, exposed, after, mem, status="ok"):
         return {"mode": "ddp", "status": status, "reason": "" if status == "ok" else "rank 1: boom",
@@ -677,7 +677,7 @@ def test_the_predicted_waits_plus_minus_is_run_to_run_where_the_compute_only_ste
     """--repeat runs ddp:noop in every round: where three runs or more give a wait, its
     predicted ± is the larger of the steps' (pooled) and the runs' spread (their means'
     standard error), which on shared cores is the larger (whole runs differ more)."""
-    from commlab.training.compare import calibrate
+    from commlab.experiments.compare import calibrate
 
     def noop(skew, fbe):
         return {"mode": "ddp:noop", "status": "ok", "iteration_ms": [100.0, 110.0], "arrival_skew_ms": skew,
@@ -696,7 +696,7 @@ def test_the_predicted_waits_plus_minus_is_run_to_run_where_the_compute_only_ste
 
 
 def test_repeated_compute_only_runs_pool_their_waits_and_keep_every_run():
-    from commlab.training.compare import report
+    from commlab.experiments.compare import report
 
     def run(skew, fbe, ends):
         return {"mode": "ddp:noop", "status": "ok", "reason": "", "iter_ms": {"median": 10.0, "p90": 11.0},
@@ -714,11 +714,11 @@ def test_repeated_compute_only_runs_pool_their_waits_and_keep_every_run():
 
 
 def test_a_modes_name_is_read_in_one_place():
-    """Every mode compare runs and predict prices, read by one parser (commlab.training.modes):
+    """Every mode compare runs and predict prices, read by one parser (commlab.experiments.modes):
     its kind, the algorithm in its name, the backend, and what reduces a DDP-bucketed mode's
     gradients; a name that is no mode has no kind (compare reports it unavailable)."""
-    from commlab.training.compare import modes
-    from commlab.training.modes import Mode
+    from commlab.experiments.compare import modes
+    from commlab.experiments.modes import Mode
 
     got = {n: Mode.parse(n) for n in modes.all_modes("cpu")}
     assert {n: (m.kind, m.algorithm, m.backend, m.noop, m.reshard) for n, m in got.items() if ":" not in n} == {

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import commlab
 from commlab.algorithms import registry
-from commlab.training import workloads
+from commlab.experiments import workloads
 from commlab.transports import p2p
 
 
@@ -78,7 +78,7 @@ def test_the_gpu_check_asks_compare_only_for_modes_it_runs_on_cuda():
     import re
     import shlex
 
-    from commlab.training.compare import modes
+    from commlab.experiments.compare import modes
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "scripts", "gpu_check.sh")) as f:
@@ -114,7 +114,7 @@ def test_a_gpus_exposed_communication_is_what_no_other_kernel_overlaps():
     """The sharded modes' sync on a GPU, from a profiled step (compare.metrics): their
     collectives run on FSDP's and NCCL's streams beside compute, so total is the union of
     the NCCL kernels' time and exposed the part of it no other kernel or copy covers."""
-    from commlab.training.compare.metrics import comm_overlap_ms, comm_time_ms
+    from commlab.experiments.compare.metrics import comm_overlap_ms, comm_time_ms
 
     events = [
         _Kernel("ncclDevKernel_AllGather_RING_LL", 0, 1000),      # 0-1000, compute covers 200-700
@@ -138,7 +138,7 @@ def test_the_sharded_modes_offered_on_a_gpu_and_where_they_are_refused():
     gpu_check runs them on one); commlab's FSDP algorithms serve CPU tensors only, and
     --share-gpu (gloo) or a run without a warm-up step (where the device is profiled)
     are refused with the reason, before any rank starts."""
-    from commlab.training.compare import modes
+    from commlab.experiments.compare import modes
 
     cuda = modes.all_modes("cuda")
     assert {"zero1", "fsdp", "fsdp:noreshard"} <= set(cuda)
@@ -157,7 +157,7 @@ def test_on_a_gpu_ddps_nccl_sync_is_read_from_the_device_after_a_warm_up_step(ca
     timed from a profiled warm-up step instead,
     as the sharded modes; gloo (--share-gpu) and commlab's hooks keep their own clocks.
     Without a warm-up step there is nothing to profile: refused before anything starts."""
-    from commlab.training.compare import cli, workers
+    from commlab.experiments.compare import cli, workers
 
     assert workers.timed_on_device("ddp", "cuda", "nccl")
     assert not workers.timed_on_device("ddp", "cuda", "gloo")   # --share-gpu: gloo completes when done
@@ -206,7 +206,7 @@ def test_the_step_profiled_on_a_device_is_the_last_warm_up_step(monkeypatch):
     """Warm (NCCL's communicators and the allocator settled by the earlier steps) and not
     one the table times; every warm-up step still runs once, so every mode trains the same
     number of steps as on CPU."""
-    from commlab.training.compare import metrics, steps
+    from commlab.experiments.compare import metrics, steps
 
     ran, profiled = [], []
 

@@ -9,7 +9,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "commlab"
 LAYERS = [
     ("entry points", ["commlab.allreduce_bench", "commlab.compare", "commlab.advise", "commlab.doctor",
                       "commlab.costmodel", "commlab.hooks", "commlab.predict"]),
-    ("tools", ["commlab.training", "commlab.measure", "commlab.diagnostics"]),
+    ("tools", ["commlab.experiments", "commlab.training", "commlab.measure", "commlab.diagnostics"]),
     ("the contract of a call", ["commlab.api", "commlab"]),  # the package: the API
     ("algorithms", ["commlab.algorithms", "commlab.schedule"]),
     ("transports", ["commlab.transports"]),

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commlab.training.predict import hardware, per_mode, replicated
-from commlab.training.predict.graph import trace
+from commlab.experiments.predict import hardware, per_mode, replicated
+from commlab.experiments.predict.graph import trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The article's model: an optional package; without it these tests say so and skip.
@@ -37,7 +37,7 @@ def test_the_trace_counts_an_mlps_flops_exactly_and_sees_every_gradient():
 def test_copies_move_bytes_in_the_roofline():
     """A clone or a dtype cast does no FLOPs but reads and writes its tensor: counted
     free, the transformer's attention clones left ~7 % of its step's bytes out."""
-    from commlab.training.predict.graph import _Recorder
+    from commlab.experiments.predict.graph import _Recorder
 
     x = torch.empty(1 << 18, device="meta")  # 1 MiB of fp32
     rec = _Recorder(set())
@@ -65,7 +65,7 @@ def test_the_peak_follows_what_checkpointing_recomputes(name, batch):
 
 
 def test_a_model_without_blocks_is_checkpointed_whole_and_keeps_its_peak():
-    from commlab.training import workloads
+    from commlab.experiments import workloads
 
     class Flat(torch.nn.Module):  # one layer per child: nothing to recompute block by block
         def __init__(self):
@@ -80,7 +80,7 @@ def test_a_model_without_blocks_is_checkpointed_whole_and_keeps_its_peak():
 
 
 def test_a_recomputed_block_gets_its_keyword_arguments_and_the_same_gradients():
-    from commlab.training import workloads
+    from commlab.experiments import workloads
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -143,7 +143,7 @@ def test_ddp_given_its_cap_makes_the_first_bucket_that_size_too(tmp_path):
         counts[given] = len(want)
     assert counts[False] == counts[True] + 1  # this model: the 1 MiB first bucket is one more
     # predict's --bucket-cap-mb says whether DDP was given it (compare's DDP always is).
-    from commlab.training.predict import cli as pcli
+    from commlab.experiments.predict import cli as pcli
 
     for argv, given in (([], False), (["--bucket-cap-mb", "25"], True)):
         out = tmp_path / "p.json"
@@ -323,7 +323,7 @@ def test_this_host_fits_every_collective_the_sharded_modes_use():
     fsdp mode's algorithm) and predicts from those fits; with ranks outnumbering cores
     every FSDP collective is exposed, its time the fitted formulas' sum."""
     from commlab import algorithms
-    from commlab.training.compare.calibrate import host_collectives
+    from commlab.experiments.compare.calibrate import host_collectives
 
     assert host_collectives(["ddp", "ddp:ring", "zero1", "fsdp", "fsdp:shm", "fsdp:noreshard"]) == {
         "all_reduce": ["builtin", "ring"], "broadcast": ["builtin"],
@@ -555,8 +555,8 @@ def test_this_host_prices_zero1s_broadcasts_as_its_probe_timed_them_together():
     another from the bench, they came out 22-76 % over what three runs measured
     (2026-12-05/06). On this host the probe of that phase, with the model's parameters,
     scales them; its exit spread joins the wait; a hardware profile is unchanged."""
+    from commlab.experiments.predict import sharded as S
     from commlab.measure.syncprobe import ZERO1
-    from commlab.training.predict import sharded as S
 
     p, a, b = 4, 30.0, 2e-3
     benches = [_affine_bench(c, ("builtin",), p, a, b) for c in ("all_reduce", "broadcast")]
@@ -612,7 +612,7 @@ def test_this_host_charges_zero1_the_wait_at_its_broadcasts_after_its_optimizer(
     assert before["breakdown"]["optimizer_ms"] == pytest.approx(20.0) and after["breakdown"]["optimizer_ms"] == 50.0
     assert after["iter_ms"]["median"] == pytest.approx(before["iter_ms"]["median"] + 30.0)
     # A hardware profile: a device per rank, 1/p of the optimizer and no wait there.
-    from commlab.training.predict import sharded as S
+    from commlab.experiments.predict import sharded as S
 
     assert S.zero1_optimizer_us(hardware.load_profile("h100-sxm-nvlink"), 8, 800.0) == (100.0, 0.0, None)
 

@@ -48,7 +48,7 @@ def test_the_probe_runs_each_family_on_ranks_of_this_machine(collective):
 def test_compare_probes_the_collectives_its_fsdp_modes_call(monkeypatch):
     """--predict this-host probes each all-gather and reduce-scatter algorithm an fsdp mode
     calls (FSDP2's own is gloo's, builtin), once, and nothing for DDP or ZeRO-1."""
-    from commlab.training.compare import calibrate
+    from commlab.experiments.compare import calibrate
 
     seen = []
     monkeypatch.setattr(syncprobe, "measure_all", lambda world, calls, reps: [seen.append((world, *call[:2], *call[3:]))
@@ -75,7 +75,7 @@ def test_compare_probes_ddps_bucket_all_reduces_in_place(monkeypatch):
     bucket of the model, and none for the compute-only step or a mode that names no
     algorithm (compare reports it unavailable); fewer calls where
     $COMMLAB_PROBE_REPS says so."""
-    from commlab.training.compare import calibrate
+    from commlab.experiments.compare import calibrate
 
     seen = []
     monkeypatch.setattr(syncprobe, "measure_all",
@@ -206,7 +206,7 @@ def test_the_zero1_probe_reads_the_wait_at_the_broadcasts():
 
 
 def test_compare_probes_zero1s_broadcasts_with_the_models_parameters(monkeypatch):
-    from commlab.training.compare import calibrate
+    from commlab.experiments.compare import calibrate
 
     seen = []
     monkeypatch.setattr(syncprobe, "measure_all", lambda world, calls, reps: [seen.append(c) or {"x": 1}

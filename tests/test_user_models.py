@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from commlab.training import workloads
-from commlab.training.predict.graph import trace
+from commlab.experiments import workloads
+from commlab.experiments.predict.graph import trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -24,8 +24,8 @@ import json
 import sys
 from dataclasses import dataclass, replace
 
-from commlab.training.predict import per_mode, replicated
-from commlab.training.predict.hardware import load_profile
+from commlab.experiments.predict import per_mode, replicated
+from commlab.experiments.predict.hardware import load_profile
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commlab.training.modes import Mode
-from commlab.training.predict.graph import Op, Step, trace
-from commlab.training.predict.hardware import (
+from commlab.experiments.modes import Mode
+from commlab.experiments.predict.graph import Op, Step, trace
+from commlab.experiments.predict.hardware import (
     Profile,
     allreduce_us,
     in_training,

@@ -30,9 +30,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from commlab.measure import trace
-from commlab.training import fsdp, hooks, workloads
-from commlab.training.compare.steps import (
+from commlab.experiments import workloads
+from commlab.experiments.compare.steps import (
     across_ranks,
     peak_memory_mb,
     start_rank,
@@ -42,7 +41,9 @@ from commlab.training.compare.steps import (
     timed_steps,
     warm_up,
 )
-from commlab.training.modes import Mode
+from commlab.experiments.modes import Mode
+from commlab.measure import trace
+from commlab.training import fsdp, hooks
 
 
 def optimizer(params, args: dict) -> torch.optim.Optimizer:

@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass, field
 
 from commlab import algorithms
+from commlab.experiments.predict.graph import Step
 from commlab.measure import costmodel
-from commlab.training.predict.graph import Step
 
 PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 

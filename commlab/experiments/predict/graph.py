@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from commlab.training import workloads
+from commlab.experiments import workloads
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from commlab.training.modes import Mode
+from commlab.experiments.modes import Mode
 
 
 def find_max_batch(mode: str, world: int, args: dict, run: Callable[[str, int, dict], dict]) -> tuple[int | None, list]:

@@ -1,6 +1,6 @@
 """compare's view of this host: the compute-only step, the collectives measured on their
 own and inside training, the model's sizes, and the prediction the measured rows are
-set against (training/predict)."""
+set against (experiments/predict)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,14 +14,14 @@ import tempfile
 import torch
 
 from commlab import algorithms
+from commlab.experiments import workloads
+from commlab.experiments.compare import report
+from commlab.experiments.modes import Mode
+from commlab.experiments.predict import hardware, per_mode, replicated
+from commlab.experiments.predict import sharded as S
+from commlab.experiments.predict.sharded import BROADCAST
 from commlab.measure import syncprobe
 from commlab.measure.probes import measure_first_touch
-from commlab.training import workloads
-from commlab.training.compare import report
-from commlab.training.modes import Mode
-from commlab.training.predict import hardware, per_mode, replicated
-from commlab.training.predict import sharded as S
-from commlab.training.predict.sharded import BROADCAST
 
 
 def _predicted_modes(modes: list[str]) -> list[str]:

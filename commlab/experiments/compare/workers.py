@@ -11,11 +11,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from commlab.measure import trace
-from commlab.training import hooks, workloads
-from commlab.training.compare import metrics, report
-from commlab.training.compare.sharded import ddp_bucket_bytes, measure_step, optimizer
-from commlab.training.compare.steps import (
+from commlab.experiments import workloads
+from commlab.experiments.compare import metrics, report
+from commlab.experiments.compare.sharded import (
+    ddp_bucket_bytes,
+    measure_step,
+    optimizer,
+)
+from commlab.experiments.compare.steps import (
     across_ranks,
     optimizer_step,
     peak_memory_mb,
@@ -26,7 +29,9 @@ from commlab.training.compare.steps import (
     timed_steps,
     warm_up,
 )
-from commlab.training.modes import Mode
+from commlab.experiments.modes import Mode
+from commlab.measure import trace
+from commlab.training import hooks
 
 
 def arrival_hook(log, bucket):

@@ -21,16 +21,16 @@ at that moment; on a GPU the step's activations and the input are added."""
 from __future__ import annotations
 
 from commlab import algorithms
-from commlab.measure.syncprobe import OPTIMIZERS, ZERO1
-from commlab.training.modes import Mode
-from commlab.training.predict import hardware, replicated
-from commlab.training.predict.graph import Step
-from commlab.training.predict.hardware import (
+from commlab.experiments.modes import Mode
+from commlab.experiments.predict import hardware, replicated
+from commlab.experiments.predict.graph import Step
+from commlab.experiments.predict.hardware import (
     collective_us,
     copy_us,
     first_touch_us,
     in_training,
 )
+from commlab.measure.syncprobe import OPTIMIZERS, ZERO1
 
 # ZeroRedundancyOptimizer's broadcasts: gloo's (binomial) on CPU; NCCL's pipelined ring on a GPU, the chain's formula.
 BROADCAST = {"cpu": "builtin", "cuda": "chain"}

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from commlab import algorithms
-from commlab.training.modes import Mode
-from commlab.training.predict import hardware, replicated, sharded
+from commlab.experiments.modes import Mode
+from commlab.experiments.predict import hardware, replicated, sharded
 
 
 def predict(modes: list[str], s: replicated.Setup, prof: hardware.Profile,

@@ -11,8 +11,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from commlab.training import workloads
-from commlab.training.compare import metrics
+from commlab.experiments import workloads
+from commlab.experiments.compare import metrics
 
 
 def start_rank(rank: int, world: int, args: dict, backend: str | None = None):

@@ -33,14 +33,14 @@ import sys
 
 import torch
 
+from commlab.experiments import workloads
+from commlab.experiments.compare import report, search
+from commlab.experiments.compare.calibrate import host_sample, predicted, sample_after
+from commlab.experiments.compare.modes import all_modes, default_modes, run_mode
+from commlab.experiments.modes import Mode
 from commlab.measure import envinfo, pools, trace
 from commlab.measure.launch import check_gpus_per_rank
 from commlab.measure.plots import plot_compare, plot_trace
-from commlab.training import workloads
-from commlab.training.compare import report, search
-from commlab.training.compare.calibrate import host_sample, predicted, sample_after
-from commlab.training.compare.modes import all_modes, default_modes, run_mode
-from commlab.training.modes import Mode
 
 
 def write_trace(records: list[dict], label: str, directory: str) -> dict:

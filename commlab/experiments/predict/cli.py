@@ -14,7 +14,7 @@ scatter, parameter broadcast, output gather and gradient reduce through device 0
 one link, none of it hidden. Memory per device (what max_memory_allocated counts): the
 weights, the step's peak of everything else alive at once (tracked through the trace),
 the input, DDP's bucket copies, and DP's extras on device 0. Profiles are data files with their sources:
-commlab/training/predict/profiles/.
+commlab/experiments/predict/profiles/.
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ import argparse
 import json
 import sys
 
-from commlab.training import workloads
-from commlab.training.compare import report
-from commlab.training.modes import Mode
-from commlab.training.predict import hardware, per_mode, replicated
+from commlab.experiments import workloads
+from commlab.experiments.compare import report
+from commlab.experiments.modes import Mode
+from commlab.experiments.predict import hardware, per_mode, replicated
 
 NOT_MODELLED = ("not modelled: kernel launch and Python overhead (DP's replica threads share one interpreter), "
                 "kernels below the roofline, the allocator's cache and cuDNN workspaces, data loading")

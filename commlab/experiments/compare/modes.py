@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from commlab import algorithms
+from commlab.experiments.compare import report, sharded, workers
+from commlab.experiments.modes import Mode
 from commlab.measure import pools, trace
 from commlab.training import fsdp
-from commlab.training.compare import report, sharded, workers
-from commlab.training.modes import Mode
 
 
 def default_modes(device: str) -> list[str]:
