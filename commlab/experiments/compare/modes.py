@@ -55,34 +55,35 @@ def run_ddp_mode(mode: str, world: int, args: dict, rank_fn=workers.ddp_rank) ->
     if any(o.status != "ok" for o in outcomes.values()):
         return _failed(mode, outcomes, args["mode_timeout"])
     res = [outcomes[r].result for r in range(world)]
-    iters = report.iteration_summary(res[0]["times"])
-    exposed = max(r["sync_exposed"] for r in res)
+    iters = report.iteration_summary(res[0].times)
+    exposed = max(r.sync_exposed for r in res)
     # The part of it after the last rank arrived: communication, not waiting for a slower rank.
-    split = trace.exposed_split([r["trace"] for r in res]) if res[0].get("trace") else {}
+    split = trace.exposed_split([r.trace for r in res]) if res[0].trace else {}
     after = split.get("after_arrival")
     se = report.standard_error(split.get("exposed_per_iteration") or [])  # how much it moves step to step
+    first = res[0]
     return {
         "mode": mode, "status": "ok", "reason": "",
         "iter_ms": iters,
-        "iteration_ms": [t * 1e3 for t in res[0]["times"]],  # every timed step, the slowest rank's
+        "iteration_ms": [t * 1e3 for t in first.times],  # every timed step, the slowest rank's
         "samples_per_s": args["batch_size"] / (iters["median"] / 1e3),
-        "peak_memory_mb": [r["memory_mb"] for r in res],
-        "util_percent": [r["util"] for r in res],
-        "grad_sync_ms": {"total": max(r["sync_total"] for r in res), "exposed": exposed,
+        "peak_memory_mb": [r.memory_mb for r in res],
+        "util_percent": [r.util for r in res],
+        "grad_sync_ms": {"total": max(r.sync_total for r in res), "exposed": exposed,
                          "after_arrival": after if after is not None else (0.0 if exposed == 0 else None),
                          **({"exposed_se": se} if se is not None else {})},
-        "final_loss": res[0]["loss"],
+        "final_loss": first.loss,
         # ddp:noop: what this-host's wait for the last rank is predicted from, per timed iteration.
-        **({"arrival_skew_ms": res[0]["arrival_skew_ms"], "backward_end_ms": res[0]["backward_end_ms"],
-            "unit_waits_ms": res[0]["unit_waits_ms"], "wait_se_ms": res[0]["wait_se_ms"]}
-           if res[0].get("unit_waits_ms") is not None else {}),  # DDP's skew needs a step before: may be None
-        **({"optimizer_ms": max(r["optimizer_ms"] for r in res)} if res[0].get("optimizer_ms") is not None else {}),
-        **({"tensor_mb": max(r["tensor_mb"] for r in res),
-            "tensor_breakdown_mb": max(res, key=lambda r: r["tensor_mb"])["tensor_breakdown_mb"]}
-           if res[0].get("tensor_mb") is not None else {}),
-        "comm_mb": max(r.get("comm_bytes", 0) for r in res) / 2**20,
-        **({"params": res[0]["params"]} if res[0].get("params") is not None else {}),
-        **({"trace_records": [r["trace"] for r in res]} if args.get("trace") and res[0].get("trace") else {}),
+        **({"arrival_skew_ms": first.arrival_skew_ms, "backward_end_ms": first.backward_end_ms,
+            "unit_waits_ms": first.unit_waits_ms, "wait_se_ms": first.wait_se_ms}
+           if first.unit_waits_ms is not None else {}),  # DDP's skew needs a step before: may be None
+        **({"optimizer_ms": max(r.optimizer_ms for r in res)} if first.optimizer_ms is not None else {}),
+        **({"tensor_mb": max(r.tensor_mb for r in res),
+            "tensor_breakdown_mb": max(res, key=lambda r: r.tensor_mb).tensor_breakdown_mb}
+           if first.tensor_mb is not None else {}),
+        "comm_mb": max(r.comm_bytes for r in res) / 2**20,
+        **({"params": first.params} if first.params is not None else {}),
+        **({"trace_records": [r.trace for r in res]} if args.get("trace") and first.trace else {}),
     }
 
 

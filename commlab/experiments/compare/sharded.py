@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commlab.experiments import workloads
 from commlab.experiments.compare.steps import (
+    RankResult,
     across_ranks,
     peak_memory_mb,
     start_rank,
@@ -284,6 +285,5 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         full = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
         params = torch.cat([t.reshape(-1).double() for t in full]).tolist()
     memory_mb = peak_memory_mb(device, rss_before_model, args)
-    return {"times": slowest, "loss": mean_loss, "memory_mb": memory_mb,
-            "util": util, "sync_total": total, "sync_exposed": exposed, "comm_bytes": per_step, **tensors,
-            "params": params, "trace": traced}
+    return RankResult(slowest, mean_loss, memory_mb, util, total, exposed, per_step, traced, params=params,
+                      **tensors)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import resource
 import time
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -144,3 +145,27 @@ def peak_memory_mb(device: torch.device, rss_before_model: int, args: dict) -> f
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     emulate_memory_limit(peak_rss, rss_before_model, args["mem_limit_mb"])
     return peak_rss / 2**20
+
+
+@dataclass
+class RankResult:
+    """What one rank of a DDP, ZeRO-1 or FSDP mode measured, sent back to compare, which
+    builds the mode's row from every rank's (modes.run_ddp_mode)."""
+
+    times: list[float]  # every timed step's seconds, the slowest rank's
+    loss: float  # the ranks' mean final loss
+    memory_mb: float  # the device's peak allocation, or this process's peak RSS
+    util: float | None  # GPU utilisation (NVML), or this process's CPU share, %
+    sync_total: float  # ms of gradient synchronisation per step
+    sync_exposed: float  # of which not hidden behind compute, ms
+    comm_bytes: float  # bytes a step's collectives moved
+    trace: dict  # this rank's spans (measure.trace.record): the exposed sync's split
+    tensor_mb: float | None = None  # the step's own tensors at their peak (CPU)
+    tensor_breakdown_mb: dict | None = None
+    params: list | None = None  # the trained parameters, where asked (return_params)
+    optimizer_ms: float | None = None  # the optimizer's step, median of the timed steps (DDP)
+    # ddp:noop on one host: what this host's wait for the last rank is predicted from.
+    arrival_skew_ms: float | None = None
+    backward_end_ms: list | None = None
+    unit_waits_ms: dict | None = None
+    wait_se_ms: dict | None = None

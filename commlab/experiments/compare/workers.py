@@ -19,6 +19,7 @@ from commlab.experiments.compare.sharded import (
     optimizer,
 )
 from commlab.experiments.compare.steps import (
+    RankResult,
     across_ranks,
     optimizer_step,
     peak_memory_mb,
@@ -273,11 +274,10 @@ def ddp_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     skew = ends = units = wait_se = None
     if m.noop and not cuda:  # one clock: the ranks of one machine
         skew, ends, units, wait_se = arrival_figures(arrivals, world, args)
-    return {"times": slowest, "loss": mean_loss, "memory_mb": mem,
-            "util": util, "sync_total": st["mean_total_comm_ms"], "sync_exposed": st["mean_exposed_ms"],
-            "arrival_skew_ms": skew, "backward_end_ms": ends, "unit_waits_ms": units, "wait_se_ms": wait_se,
-            "comm_bytes": per_step[-1]["bytes"], **tensors, "params": params, "optimizer_ms": optimizer_ms,
-            "trace": traced}
+    return RankResult(slowest, mean_loss, mem, util, st["mean_total_comm_ms"], st["mean_exposed_ms"],
+                      per_step[-1]["bytes"], traced, params=params, optimizer_ms=optimizer_ms,
+                      arrival_skew_ms=skew, backward_end_ms=ends, unit_waits_ms=units, wait_se_ms=wait_se,
+                      **tensors)
 
 
 def arrival_figures(arrivals: dict, world: int, args: dict) -> tuple:
