@@ -5,6 +5,7 @@ exported from. Published MSCCL files (RCCL's, msccl-tools') are read from the fo
 COMMLAB_MSCCL_XML names; without it those tests skip (commlab commits only XML it writes)."""
 import copy
 import os
+import re
 import subprocess
 import sys
 
@@ -79,6 +80,26 @@ def test_a_file_round_trips_through_save_and_load(tmp_path):
     back = S.load(path)
     assert back == s
     assert path.read_text() == S.dumps(back)
+
+
+def test_a_file_msccl_tools_compiled_loads_as_it_meant_it():
+    """msccl-tools' compiler writes `inplace` but never `outofplace`, `minBytes` or
+    `maxBytes`, which rccl's parser requires: read as it meant them and named, and a
+    save completes the file."""
+    for (collective, name), inplace in ((("all_reduce", "ring"), True), (("all_to_all", "pairwise"), False)):
+        s = registry(collective).get(name).schedule(3)
+        assert s.modes() == [inplace]  # what the compiler's one flag can say
+        text = S.dumps(s)
+        for attr in ("outofplace", "minBytes", "maxBytes"):
+            text = re.sub(f' {attr}="[^"]*"', "", text, count=1)
+        back = S.loads(text)
+        assert back.absent == ("outofplace", "minBytes", "maxBytes") and back.modes() == [inplace], back
+        assert (back.min_bytes, back.max_bytes) == (0, 0)
+        S.check(back)
+        saved = S.loads(S.dumps(back))
+        assert saved.absent == () and saved.outofplace == (not inplace)
+    with pytest.raises(S.ScheduleFormatError, match="attribute 'inplace' missing"):
+        S.loads(re.sub(' inplace="[^"]*"', "", text, count=1))  # the flag it does write stays required
 
 
 def _ring(p=4):

@@ -37,6 +37,9 @@ def _check(args) -> int:
         print(f"invalid: {e.violation}")
         return 1
     print(f"valid: {args.file}")
+    if s.absent:
+        print(f"  note: written without {', '.join(s.absent)} (msccl-tools' compiler omits them; read as it meant "
+              "them, but rccl's parser refuses the file: `load` then `save` writes them)")
     for line in summary.lines():
         print(f"  {line}")
     if args.bytes is not None:

@@ -1,7 +1,10 @@
 """MSCCL's XML, in and out: the format the MSCCL runtime and RCCL load
 (rccl src/misc/msccl/msccl_parser.cc). Every attribute rccl reads is required, as
-there; attributes it ignores on <algo> (`redop`, `nthreadblocks`, …) are kept and
-written back, so a file commlab writes loads and saves to the same bytes."""
+there, but three that msccl-tools' compiler never writes (`outofplace`, `minBytes`,
+`maxBytes`: they came with the runtimes' size ranges), which a file may lack: read as
+msccl-tools meant them (out of place exactly where not `inplace`, its one flag; no size
+range: 0 and 0), named in `Schedule.absent`, and written on save. Attributes rccl ignores on <algo> (`redop`, `nthreadblocks`, …)
+are kept and written back, so a file commlab writes loads and saves to the same bytes."""
 from __future__ import annotations
 
 import os
@@ -25,6 +28,10 @@ ALGO = ("name", "proto", "nchannels", "nchunksperloop", "ngpus", "coll", "inplac
         "minBytes", "maxBytes")
 GPU = ("id", "i_chunks", "o_chunks", "s_chunks")
 TB = ("id", "send", "recv", "chan")
+# What msccl-tools' MSCCLang compiler does not write (msccl/language/ir.py ir_to_xml), with
+# what its absence means (outofplace: the opposite of its one flag, inplace); rccl's parser requires them.
+COMPILER_OMITS = {"outofplace": lambda a: 0 if _int(a, "inplace", "<algo>") else 1,
+                  "minBytes": lambda a: 0, "maxBytes": lambda a: 0}
 STEP = ("s", "type", "srcbuf", "srcoff", "dstbuf", "dstoff", "cnt", "depid", "deps", "hasdep")
 ROOT = "root"  # commlab's own <algo> attribute for broadcast (MSCCL ignores it)
 
@@ -92,12 +99,15 @@ def parse(text: str, source: str = "<string>") -> Schedule:
             rank.blocks.append(block)
         ranks.append(rank)
     extra = {k: v for k, v in root.attrib.items() if k not in ALGO and k != ROOT}
+    absent = tuple(k for k in COMPILER_OMITS if k not in root.attrib)
+    for k in absent:
+        root.set(k, str(COMPILER_OMITS[k](root)))
     return Schedule(
         collective=COLLS[coll], ranks=ranks, chunks=_int(root, "nchunksperloop", "<algo>"),
         name=_attr(root, "name", "<algo>"), channels=_int(root, "nchannels", "<algo>"), proto=proto,
         inplace=bool(_int(root, "inplace", "<algo>")), outofplace=bool(_int(root, "outofplace", "<algo>")),
         min_bytes=_int(root, "minBytes", "<algo>"), max_bytes=_int(root, "maxBytes", "<algo>"),
-        root=_int(root, ROOT, "<algo>") if ROOT in root.attrib else 0, extra=extra,
+        root=_int(root, ROOT, "<algo>") if ROOT in root.attrib else 0, extra=extra, absent=absent,
     ), _int(root, "ngpus", "<algo>")
 
 
