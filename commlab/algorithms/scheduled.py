@@ -7,6 +7,7 @@ algorithm. A rank count other than the schedule's, or a collective other than it
 family's, is refused on every rank alike."""
 from __future__ import annotations
 
+import importlib
 import os
 
 from commlab.core.collectives import KIND
@@ -16,7 +17,6 @@ from commlab.schedule.execute import NativeRunner, Runner
 from commlab.schedule.price import levels
 from commlab.transports import shm
 
-from . import all_gather, all_reduce, all_to_all, broadcast, reduce_scatter
 from .all_gather.base import AllGatherAlgorithm
 from .all_to_all.base import AllToAllAlgorithm
 from .base import Algorithm, Cost, Stage
@@ -146,7 +146,6 @@ class BroadcastScheduled(Scheduled, BroadcastAlgorithm):
         self._run(None, buf, (ctx.rank + turn) % p, None, ctx, lambda v: (v - turn) % p)
 
 
-REGISTRIES = {m.REGISTRY.collective: m.REGISTRY for m in (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast)}
 FAMILY = {"all_reduce": AllReduceScheduled, "all_gather": AllGatherScheduled,
           "reduce_scatter": ReduceScatterScheduled, "all_to_all": AllToAllScheduled,
           "broadcast": BroadcastScheduled}
@@ -185,4 +184,5 @@ def register(path: str, name: str, native: bool = False):
     mismatch). Returns the member."""
     schedule = load(path)
     member = (NATIVE if native else FAMILY)[schedule.collective](name, schedule, check(schedule, path))
-    return REGISTRIES[schedule.collective].register(member)
+    # The family's package, as algorithms.registry() finds it (that package imports this module).
+    return importlib.import_module(f"{__package__}.{schedule.collective}").REGISTRY.register(member)

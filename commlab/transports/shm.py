@@ -201,7 +201,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, send: list[int], recv: list
     _call(info, algorithm, lambda comm: comm.alltoall(out, inp, send, recv))
 
 
-def run_schedule(info: GroupInfo, algorithm: str, program) -> None:
+def run_schedule(info: GroupInfo, algorithm: str, program):
     """program(comm): one call of a compiled schedule (commlab/schedule/native.py); its value."""
     return _call(info, algorithm, program)
 
