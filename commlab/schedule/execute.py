@@ -257,6 +257,7 @@ class NativeRunner(Runner):
         super().__init__(s, summary)
         self.kind = kind
         self._compiled: dict = {}
+        self._turned: dict = {}  # (compiled, rank, peer(0)) -> its ops with the peers turned, once per root
         self._capacity = None
         # One call kind for every rank (the ops of the two kinds need not pair): out of
         # place where proved, the other kind served by copying, as for an unproved one.
@@ -274,9 +275,14 @@ class NativeRunner(Runner):
         s = self.s
         per = s.per_rank
         ops = compiled.ops[rank]
-        if peer(0) != 0:  # the ranks turned (broadcast's root): peers as group ranks
-            ops = ops.clone()
-            ops[:, 6] = torch.tensor([peer(int(v)) if v >= 0 else -1 for v in ops[:, 6].tolist()], dtype=torch.long)
+        if peer(0) != 0:  # the ranks turned (broadcast's root, a rotation peer(0) names): peers as group ranks
+            key = (id(compiled), rank, peer(0))
+            turned = self._turned.get(key)
+            if turned is None:
+                turned = self._turned[key] = ops.clone()
+                turned[:, 6] = torch.tensor([peer(int(v)) if v >= 0 else -1 for v in ops[:, 6].tolist()],
+                                            dtype=torch.long)
+            ops = turned
         some = next(iter(buffers.values()))
         n = some.numel() // self.per_rank_blocks[next(iter(buffers))]
         elsize = some.element_size()
