@@ -31,17 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commlab.experiments import workloads
-from commlab.experiments.compare.steps import (
-    RankResult,
-    across_ranks,
-    peak_memory_mb,
-    start_rank,
-    timed_default_hook,
-    timed_micro_batch,
-    timed_optimizer_step,
-    timed_steps,
-    warm_up,
-)
+from commlab.experiments.compare import steps
 from commlab.experiments.modes import Mode
 from commlab.measure import trace
 from commlab.training import fsdp, hooks
@@ -169,7 +159,7 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     their bytes are counted per call and their time read from the device in a profiled
     step, the last warm-up step (metrics.profiled_sync_ms)."""
     cuda = args["device"] == "cuda"
-    device, wl, model, rss_before_model = start_rank(rank, world, args)
+    device, wl, model, rss_before_model = steps.start_rank(rank, world, args)
     comm = fsdp.CommStats()
     buckets_state = None
     zero_sync = {"s": 0.0, "bytes": 0, "steps": 0, "calls": []}
@@ -181,7 +171,7 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         net = DDP(workloads.Checkpointed(model) if args["checkpoint"] else model, bucket_cap_mb=args["bucket_cap_mb"],
                   device_ids=[device.index] if cuda else None)
         buckets_state = hooks.BucketStats()
-        net.register_comm_hook(buckets_state, timed_default_hook)
+        net.register_comm_hook(buckets_state, steps.timed_default_hook)
         kind = torch.optim.AdamW if args.get("optimizer", "sgd") == "adamw" else torch.optim.SGD
         opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=kind, lr=args["lr"])
         sync = opt._sync_params  # every rank's updated shard to every rank: ZeRO-1's own communication
@@ -249,18 +239,18 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
                     with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                         return wl.loss(net(x).float(), y) / accum
 
-                loss = timed_micro_batch(loss_of, scaler, spans)
+                loss = steps.timed_micro_batch(loss_of, scaler, spans)
             total += float(loss.detach())
-        timed_optimizer_step(opt, scaler, cuda, spans)
+        steps.timed_optimizer_step(opt, scaler, cuda, spans)
         return total
 
-    device_sync = warm_up(step, args["warmup"], cuda)
+    device_sync = steps.warm_up(step, args["warmup"], cuda)
     comm.reset()
     spans.clear()
     if buckets_state is not None:
         buckets_state.reset()
     zero_sync.update(s=0.0, bytes=0, steps=0, calls=[])
-    times, loss, util = timed_steps(step, args, device)
+    times, loss, util = steps.timed_steps(step, args, device)
     # The timed steps' communication, before the measuring step adds its own.
     if mode == "zero1":
         st = buckets_state.stats()
@@ -279,11 +269,11 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     traced = trace.record(spans, iterations, Mode.parse(mode).collectives)  # as ddp_rank's: the exposed sync's split
     tensors = measure_step(model, opt, ddp_bucket_bytes(net) if mode == "zero1" else 0,
                            lambda: step(args["warmup"] + args["iters"]))
-    slowest, mean_loss = across_ranks(times, loss, device, world)
+    slowest, mean_loss = steps.across_ranks(times, loss, device, world)
     params = None
     if args.get("return_params"):
         full = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
         params = torch.cat([t.reshape(-1).double() for t in full]).tolist()
-    memory_mb = peak_memory_mb(device, rss_before_model, args)
-    return RankResult(slowest, mean_loss, memory_mb, util, total, exposed, per_step, traced, params=params,
+    memory_mb = steps.peak_memory_mb(device, rss_before_model, args)
+    return steps.RankResult(slowest, mean_loss, memory_mb, util, total, exposed, per_step, traced, params=params,
                       **tensors)
