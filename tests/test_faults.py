@@ -67,18 +67,24 @@ def family_mismatches(rank, p):
                 torch.ones(8), src=rank % 2, group=g, algorithm="shm"))[:2],
             "all_gather numel": on_fresh_group(p, lambda g: commlab.all_gather(
                 torch.empty(p * (4 + rank)), torch.ones(4 + rank), group=g, algorithm="shm"))[:2],
+            # Rank 1's own output is wrong: its peers, in the comparison's gather, raise it too.
+            "refused": on_fresh_group(p, lambda g: commlab.all_gather(
+                torch.empty(p * 4 + rank), torch.ones(4), group=g, algorithm="ring")),
         }
     finally:
         del os.environ["COMMLAB_CHECK"]
 
 
 def test_mismatch_checking_serves_every_family(ranks):
-    res = ranks.run(2, family_mismatches)
-    assert all(r == res[0] for r in res), "ranks raised different errors"
+    res = ranks.run(2, family_mismatches, timeout=60)
+    assert all(r[k] == res[0][k] for r in res for k in ("broadcast root", "all_gather numel")), res
     (kind, root), (kind2, numel) = res[0]["broadcast root"], res[0]["all_gather numel"]
     assert kind == kind2 == "CollectiveMismatchError", res[0]
     assert "ranks called broadcast differently" in root and "root=0" in root and "root=1" in root, root
     assert "ranks called all_gather differently" in numel and "numel=4 " in numel and "numel=5 " in numel, numel
+    for rank, (kind, text, took) in enumerate(r["refused"] for r in res):
+        assert kind == "UnsupportedError" and "output holds" in text and took < 5, (rank, kind, text, took)
+        assert ("rank 1 refused" in text) == (rank == 0), (rank, text)
 
 
 def first_calls_differ(rank, p, mine, theirs):

@@ -25,7 +25,7 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, *, algorithm: str = "ri
     wait(), is_completed() and get_future(). Everything that could make one rank refuse
     is checked here, before any traffic, from facts all ranks share.
     """
-    if not async_op and type(tensor) is torch.Tensor:  # others: the long way
+    if not async_op and isinstance(tensor, torch.Tensor):  # the transport's call checks the rest itself
         plan = family.fast_plan(("all_reduce", algorithm, id(op), id(group)))
         if plan is not None and plan.op_key is op and family.run_fast(plan, tensor):
             return None

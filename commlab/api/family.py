@@ -74,9 +74,14 @@ class Plan:
 
     def refuse(self, bad: str):
         """This rank's own arguments, which its peers cannot see: it gives the group up, so
-        they raise at once naming it instead of waiting for it."""
+        they raise at once naming it instead of waiting for it. Under COMMLAB_CHECK its
+        peers wait in the comparison's gather, which a give-up does not reach: the refusal
+        goes through that gather instead, and every rank raises it (nothing was sent: the
+        group stays usable)."""
         refused = UnsupportedError(f"commlab[{self.alg.name}]: {self.collective} {bad}")
         if self.info.size > 1:
+            if self.debug:
+                self._shown(("refused", str(refused)))
             self.ctx.p2p.give_up(refused)
         raise refused
 
@@ -93,17 +98,27 @@ class Plan:
         check(self.record_numel(out, inp))
         return None
 
+    def _shown(self, mine: tuple) -> list:
+        """Every rank's `mine` through the group's own backend (COMMLAB_CHECK); where a rank
+        refused its own arguments, every rank raises that refusal."""
+        seen = [None] * self.info.size
+        dist.all_gather_object(seen, mine, group=self.info.group)
+        refused = [(q, s[1]) for q, s in enumerate(seen) if s[0] == "refused"]
+        if refused:
+            q, text = refused[0]
+            raise UnsupportedError(text if q == self.info.rank else f"rank {self.info.global_rank(q)} refused: {text}")
+        return seen
+
     def compare(self, out: torch.Tensor, inp: torch.Tensor, root: int, extra) -> None:
         """COMMLAB_CHECK=1: every rank shows its call through the group's own backend;
         any difference raises the same error everywhere."""
         r = self.record(out, inp, root, extra)
-        mine = (r.elements, str(r.dtype).replace("torch.", ""), r.op.name if r.op is not None else "-", r.algorithm,
-                r.root)
-        seen = [None] * self.info.size
-        dist.all_gather_object(seen, mine, group=self.info.group)
+        mine = ("call", r.elements, str(r.dtype).replace("torch.", ""), r.op.name if r.op is not None else "-",
+                r.algorithm, r.root)
+        seen = self._shown(mine)
         if any(s != seen[0] for s in seen):
-            detail = "; ".join(f"rank {self.info.global_rank(q)}: numel={s[0]} dtype={s[1]} op={s[2]} algorithm={s[3]}"
-                               + (f" root={s[4]}" if s[4] >= 0 else "") for q, s in enumerate(seen))
+            detail = "; ".join(f"rank {self.info.global_rank(q)}: numel={s[1]} dtype={s[2]} op={s[3]} algorithm={s[4]}"
+                               + (f" root={s[5]}" if s[5] >= 0 else "") for q, s in enumerate(seen))
             raise CollectiveMismatchError(f"commlab: ranks called {self.collective} differently: {detail}")
 
     def execute(self, out: torch.Tensor, inp: torch.Tensor, root: int = -1, extra=None) -> None:

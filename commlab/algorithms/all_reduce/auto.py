@@ -9,6 +9,7 @@ import copy
 import hashlib
 import os
 
+# The package is mid-import when it registers this module: its names are read at call time.
 from commlab import algorithms
 from commlab.core import groups
 from commlab.core.errors import CollectiveMismatchError, UnsupportedError
@@ -27,15 +28,15 @@ class Auto(Algorithm):
     order = 5
 
     def cost(self, p, nbytes):
-        return self._registry().get("shm").cost(p, nbytes)
+        return algorithms.get("shm").cost(p, nbytes)
 
     def memory_traffic(self, p, nbytes):
-        return self._registry().get("shm").memory_traffic(p, nbytes)
+        return algorithms.get("shm").memory_traffic(p, nbytes)
 
     def unsupported(self, tensor, op, info):
         forced = _forced()
         if forced:
-            alg = self._registry().get(forced)  # an unknown name raises, on every rank alike
+            alg = algorithms.get(forced)  # an unknown name raises, on every rank alike
             if alg is self:
                 return "COMMLAB_ALGORITHM=auto would pick itself"
             if tensor.device.type not in alg.devices:
@@ -48,7 +49,7 @@ class Auto(Algorithm):
         rank decides alike (or fails alike). The gather is the group's, on its first
         call by auto: a plan of its own (AVG after SUM, another dtype) decides from it
         locally, so no rank reaches a set-up step its peers have passed."""
-        registry = self._registry()
+        registry = algorithms
         forced = _forced()
         if forced:
             return _Choice(self.name, ctx, fixed=registry.get(forced).name)
@@ -82,14 +83,6 @@ class Auto(Algorithm):
     def run(self, buf, op, ctx):
         alg, inner = self._choice(buf.device.type, ctx).algorithm(buf.numel() * buf.element_size(), buf, op)
         alg.run(buf, op, inner)
-
-    @staticmethod
-    def _registry():
-        from commlab import (
-            algorithms,  # the package imports this module while it registers
-        )
-
-        return algorithms
 
 
 class _Choice:
