@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from commlab.core.errors import PeerError
 from commlab.core.groups import GroupInfo
 from commlab.core.reduction import Op
-from commlab.transports.p2p import P2P
+from commlab.transports.p2p import P2P, moves_cuda
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -184,3 +185,24 @@ def ring_stages(c: Cost, hosts: int, by: str) -> list[Stage]:
     """A ring over ranks numbered host by host: one pair per host link, each way, every
     step, and every step waits for its slowest pair, the one that crosses."""
     return [Stage("link" if hosts > 1 else "host", c.steps, c.bytes_sent, c.bytes_reduced, by)]
+
+
+def by_the_backend(ctx: Context, name: str, what: str, out: torch.Tensor, inp: torch.Tensor | None, gloo, group_call):
+    """One call of the backend's own collective, as every family's `builtin` makes it.
+    Host tensors, and GPU tensors of a group that does not move them (through host
+    copies: gloo takes host memory), go through gloo on the group's commlab connection,
+    `gloo(backend, out, inp)` starting its work: a peer that gives up fails it at once.
+    Otherwise `group_call()` starts the group's own (NCCL's) work. `inp` None: `out` is
+    read and written in place."""
+    if out.is_cpu or not moves_cuda(ctx.info.group):
+        host_out = out if out.is_cpu else (out.cpu() if inp is None else torch.empty(out.shape, dtype=out.dtype))
+        host_inp = None if inp is None else inp if inp.is_cpu else inp.cpu()
+        ctx.p2p.collective(lambda backend: gloo(backend, host_out, host_inp), f"gloo's {what}")
+        if host_out is not out:
+            out.copy_(host_out)
+        return
+    try:
+        group_call().wait(ctx.info.timeout)
+    except RuntimeError as e:
+        raise PeerError(f"commlab[{name}] rank {ctx.info.global_rank(ctx.rank)}: backend {what} failed: {e}",
+                        algorithm=name, peer=None) from e

@@ -3,10 +3,9 @@ runs on the group's own gloo connection (transports/link.py): the same algorithm
 the group's gloo, but a peer that gives up fails it at once, not at the timeout."""
 import torch.distributed as dist
 
-from commlab.core.errors import PeerError
 from commlab.core.reduction import TO_TORCH
 
-from ..base import Algorithm, Cost, ring_stages
+from ..base import Algorithm, Cost, by_the_backend, ring_stages
 
 
 class Builtin(Algorithm):
@@ -23,21 +22,11 @@ class Builtin(Algorithm):
         return ring_stages(self.cost(hosts * per_host, nbytes), hosts, self.name)  # gloo's allreduce is a ring
 
     def run(self, buf, op, ctx):
-        if buf.is_cpu:
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = TO_TORCH[op]
-            opts.timeout = ctx.info.timeout
-            ctx.p2p.collective(lambda backend: backend.allreduce([buf], opts), "gloo's all-reduce")
-            return
-        try:
-            work = dist.all_reduce(buf, op=TO_TORCH[op], group=ctx.info.group, async_op=True)
-            work.wait(ctx.info.timeout)
-        except RuntimeError as e:
-            raise PeerError(
-                f"commlab[{self.name}] rank {ctx.info.global_rank(ctx.rank)}: backend all_reduce failed: {e}",
-                algorithm=self.name,
-                peer=None,
-            ) from e
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = TO_TORCH[op]
+        opts.timeout = ctx.info.timeout
+        by_the_backend(ctx, self.name, "all-reduce", buf, None, lambda backend, b, _: backend.allreduce([b], opts),
+                       lambda: dist.all_reduce(buf, op=TO_TORCH[op], group=ctx.info.group, async_op=True))
 
 
 ALGORITHM = Builtin()
