@@ -123,12 +123,17 @@ def first_two_quick(*cases):
     return [c if i < 2 else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(cases)]
 
 
+# Seconds of calls before a drill's fault: dozens of calls past the set-up are in flight by
+# then; the CLI's 0.5 s adds nothing a test reads, and there are seventy drills.
+DRILL_DELAY = 0.2
+
+
 def assert_drill_named_rank_1(algorithm: str, fault: str, collective: str) -> None:
     """Rank 1 of 3 fails (killed, interrupted, raising) inside the collective: every
     survivor raises a commlab error naming it within two seconds."""
     from commlab.diagnostics.drill import drill
 
-    got = drill(algorithm, fault, world_size=3, collective=collective)
+    got = drill(algorithm, fault, world_size=3, collective=collective, delay=DRILL_DELAY)
     for r, o in got["survivors"].items():
         assert o["type"] not in (None, "WRONG DATA", "NO ANSWER") and o["commlab"], (r, o)
         assert "rank 1" in o["msg"] and o["after"] < 2.0, (r, o)

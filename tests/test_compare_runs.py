@@ -3,12 +3,20 @@ and traces. The runs start ahead of their tests, two at a time (tests/ahead.py):
 them asserts anything about time."""
 import json
 import os
+import statistics
 import sys
 
 import ahead
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import doc_blocks  # noqa: E402
+
+# docs/predict.md's this-host example and docs/compare.md's user's model, run here verbatim
+# (tests/test_docs.py leaves them to this file).
+EXAMPLES = {("this-host" if "this-host" in b.code else "users-model"): b
+            for b in doc_blocks.run_by("tests/test_compare_runs.py")}
 MODE_KEYS = {"mode", "status", "reason", "iter_ms", "samples_per_s", "peak_memory_mb", "util_percent",
              "grad_sync_ms", "final_loss"}
 
@@ -26,10 +34,19 @@ def _compare(tmp_path, *args, timeout=300.0, **env) -> ahead.Launch:
 
 THIS_HOST = {"COMMLAB_PROBE_REPS": "4", "COMMLAB_BENCH_BUDGET": "0.02"}  # this-host's bench and probes, short
 
+
+def _documented(tmp_path, example: str) -> ahead.Launch:
+    """A documented run, in a folder of its own (its --json lands there)."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return ahead.Launch(["bash", "-euo", "pipefail", "-c", EXAMPLES[example].code], cwd=tmp_path, timeout=600,
+                        env=dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=path, **THIS_HOST))
+
+
 launches = ahead.launches({
-    "test_compare_cpu_modes": lambda tmp, extra: _compare(
-        tmp, "--modes", "dp,ddp,ddp:ring,ddp:shm,ddp:noop,ddp:nope,ddp@commlab", *SMALL, *extra, timeout=600,
-        **THIS_HOST),
+    "test_compare_cpu_modes": lambda tmp: _compare(
+        tmp, "--modes", "dp,ddp,ddp:ring,ddp:shm,ddp:noop,ddp:nope,ddp@commlab", *SMALL, "--accum-steps", "2", "--amp",
+        "bf16", "--checkpoint", timeout=600),
+    "test_the_documented_this_host_prediction": lambda tmp: _documented(tmp, "this-host"),
     "test_emulated_memory_limit_on_cpu": lambda tmp: _compare(
         tmp, "--modes", "ddp,ddp:shm", "--model", "mlp", "--width", "64", "--depth", "2", "--batch-size", "8",
         "--iters", "2", "--warmup", "1", "--bucket-cap-mb", "0.01,1", "--mem-limit-mb", "0.001", timeout=600),
@@ -43,9 +60,7 @@ launches = ahead.launches({
     "test_compare_repeat_runs_and_pools_end_to_end": lambda tmp: _compare(
         tmp, "--modes", "ddp", *SMALL, "--repeat", "2", "--predict", "this-host", "--trace", str(tmp / "t"),
         timeout=600, **THIS_HOST),
-    "test_compare_trains_the_users_model": lambda tmp: _compare(
-        tmp, "--model", "tests.models:tiny_cnn", "--modes", "ddp,ddp:shm", "--batch-size", "8", "--iters", "3",
-        "--warmup", "1"),
+    "test_compare_trains_the_users_model": lambda tmp: _documented(tmp, "users-model"),
     "test_predict_cli_takes_the_users_model": lambda tmp: ahead.Launch(
         [sys.executable, "-m", "commlab.predict", "--hardware", "h100-sxm-nvlink", "--gpus", "2", "--model",
          "tests.models:tiny_mlp", "--input-shape", "32", "--batch-size", "64", "--json", str(tmp / "p.json")]),
@@ -55,50 +70,58 @@ launches = ahead.launches({
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [["--predict", "this-host"], ["--accum-steps", "2", "--amp", "bf16", "--checkpoint"]])
-def test_compare_cpu_modes(launches, request, extra):
+def test_the_documented_this_host_prediction(launches, request):
+    """docs/predict.md's `compare --predict this-host`: commlab.predict's columns beside the
+    measured ones, same mode names, priced from this host's compute-only step and collectives."""
+    proc, tmp_path, _ = launches.take(request)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    doc = json.loads((tmp_path / "this-host.json").read_text())
+    modes = {m["mode"]: m for m in doc["modes"] if not m.get("predicted")}
+    pred = {m["mode"]: m for m in doc["modes"] if m.get("predicted")}
+    assert set(pred) == {"ddp", "ddp:shm", "ddp:noop"}, pred
+    for name in pred:
+        assert MODE_KEYS <= set(pred[name]) and pred[name]["status"] == "ok", pred[name]
+    # this-host's compute is the measured compute-only step, run first and last and pooled;
+    # communication adds to it.
+    noops = [m for m in doc["modes"] if m["mode"] == "ddp:noop" and not m.get("predicted")]
+    assert [m.get("label") for m in noops] == ["ddp:noop (first)", "ddp:noop (last)"]
+    assert doc["modes"][0].get("label") == "ddp:noop (first)"  # before every other mode
+    assert "ddp:noop (first)" in proc.stdout and "ddp:noop (last)" in proc.stdout
+    pooled = [t for m in noops for t in m["iteration_ms"]]
+    assert pred["ddp:noop"]["iter_ms"]["median"] == pytest.approx(statistics.median(pooled))
+    assert modes["ddp:noop"]["arrival_skew_ms"] >= 0
+    # The ends of backward the wait is predicted from: one per timed iteration, each inside
+    # its own iteration (the measuring step after the timed ones counted as part of the
+    # last, whose end of backward then came an extra step late).
+    ends, its = modes["ddp:noop"]["backward_end_ms"], modes["ddp:noop"]["iteration_ms"]
+    assert len(ends) == len(its) > 0 and all(0 < e <= t for e, t in zip(ends, its)), (ends, its)
+    # And what FSDP's waits are predicted from: the drift between every pair of units; ZeRO-1's:
+    # from each step's start.
+    assert set(modes["ddp:noop"]["unit_waits_ms"]) == {"fbe", "fe", "step_start"}
+    assert set(modes["ddp:noop"]["wait_se_ms"]) == {"step", "fbe", "fe", "step_start"}
+    assert all(w >= 0 for w in modes["ddp:noop"]["unit_waits_ms"].values())
+    for name in ("ddp", "ddp:shm"):
+        assert modes[name]["status"] == "ok", modes[name]
+        assert pred[name]["iter_ms"]["median"] > pred["ddp:noop"]["iter_ms"]["median"]
+        assert pred[name]["grad_sync_ms"]["total"] > 0
+        # The arrival skew is charged to the exposed sync, not to its part after the last arrival;
+        # so is how far apart the ranks leave the buckets after backward (the probe's exit spread).
+        sync = pred[name]["grad_sync_ms"]
+        probe = pred[name]["profile"]["in_training"]["all_reduce"]["builtin" if name == "ddp" else name[4:]]
+        assert len(probe["samples_after_us"]) == 3  # probed first, after the middle mode and last
+        assert sync["exposed"] - sync["after_arrival"] == pytest.approx(
+            sum(m["arrival_skew_ms"] for m in noops) / 2 + sync["after_arrival"] * probe["exit_spread_us"]
+            / probe["after_us"])
+    assert "ddp:shm (pred)" in proc.stdout
+
+
+@pytest.mark.slow
+def test_compare_cpu_modes(launches, request):
     proc, tmp_path, _ = launches.take(request)
     out = tmp_path / "c.json"
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())
     modes = {m["mode"]: m for m in doc["modes"] if not m.get("predicted")}
-    if "--predict" in extra:  # commlab.predict's columns beside the measured, same mode names
-        pred = {m["mode"]: m for m in doc["modes"] if m.get("predicted")}
-        assert set(pred) == {"dp", "ddp", "ddp:ring", "ddp:shm", "ddp:noop", "ddp:nope"}, pred
-        assert pred["dp"]["status"] == pred["ddp:nope"]["status"] == "unavailable"
-        for name in ("ddp", "ddp:ring", "ddp:shm", "ddp:noop"):
-            assert MODE_KEYS <= set(pred[name]) and pred[name]["status"] == "ok", pred[name]
-        # this-host's compute is the measured compute-only step, run first and last and pooled;
-        # communication adds to it.
-        noops = [m for m in doc["modes"] if m["mode"] == "ddp:noop" and not m.get("predicted")]
-        assert [m.get("label") for m in noops] == ["ddp:noop (first)", "ddp:noop (last)"]
-        assert doc["modes"][0].get("label") == "ddp:noop (first)"  # before every other mode
-        assert "ddp:noop (first)" in proc.stdout and "ddp:noop (last)" in proc.stdout
-        pooled = sorted(t for m in noops for t in m["iteration_ms"])
-        assert pred["ddp:noop"]["iter_ms"]["median"] == pytest.approx((pooled[2] + pooled[3]) / 2)
-        assert modes["ddp:noop"]["arrival_skew_ms"] >= 0
-        # The ends of backward the wait is predicted from: one per timed iteration, each inside
-        # its own iteration (the measuring step after the timed ones counted as part of the
-        # last, whose end of backward then came an extra step late).
-        ends, its = modes["ddp:noop"]["backward_end_ms"], modes["ddp:noop"]["iteration_ms"]
-        assert len(ends) == len(its) == 3 and all(0 < e <= t for e, t in zip(ends, its)), (ends, its)
-        # And what FSDP's waits are predicted from: the drift between every pair of units; ZeRO-1's:
-        # from each step's start.
-        assert set(modes["ddp:noop"]["unit_waits_ms"]) == {"fbe", "fe", "step_start"}
-        assert set(modes["ddp:noop"]["wait_se_ms"]) == {"step", "fbe", "fe", "step_start"}
-        assert all(w >= 0 for w in modes["ddp:noop"]["unit_waits_ms"].values())
-        for name in ("ddp", "ddp:ring", "ddp:shm"):
-            assert pred[name]["iter_ms"]["median"] > pred["ddp:noop"]["iter_ms"]["median"]
-            assert pred[name]["grad_sync_ms"]["total"] > 0
-            # The arrival skew is charged to the exposed sync, not to its part after the last arrival;
-            # so is how far apart the ranks leave the buckets after backward (the probe's exit spread).
-            sync = pred[name]["grad_sync_ms"]
-            probe = pred[name]["profile"]["in_training"]["all_reduce"]["builtin" if name == "ddp" else name[4:]]
-            assert len(probe["samples_after_us"]) == 3  # probed first, after the middle mode and last
-            assert sync["exposed"] - sync["after_arrival"] == pytest.approx(
-                sum(m["arrival_skew_ms"] for m in noops) / 2 + sync["after_arrival"] * probe["exit_spread_us"]
-                / probe["after_us"])
-        assert "ddp:shm (pred)" in proc.stdout
     assert modes["dp"]["status"] == "unavailable" and "CUDA" in modes["dp"]["reason"]
     assert modes["ddp:nope"]["status"] == "unavailable"
     for name in ("ddp", "ddp:ring", "ddp:shm", "ddp:noop", "ddp@commlab"):
@@ -247,12 +270,12 @@ def test_compare_repeat_runs_and_pools_end_to_end(launches, request):
 def test_compare_trains_the_users_model(launches, request):
     proc, tmp_path, _ = launches.take(request)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "c.json").read_text())
+    doc = json.loads((tmp_path / "cnn.json").read_text())  # docs/compare.md's run
     assert doc["env"]["model"] == "tests.models:tiny_cnn"
     modes = {m["mode"]: m for m in doc["modes"]}
-    assert modes["ddp"]["status"] == modes["ddp:shm"]["status"] == "ok"
+    assert modes["ddp"]["status"] == modes["ddp:ring"]["status"] == "ok"
     # One model, one seed, one data set: the same training whatever carries the gradients.
-    assert modes["ddp"]["final_loss"] == pytest.approx(modes["ddp:shm"]["final_loss"], rel=1e-5)
+    assert modes["ddp"]["final_loss"] == pytest.approx(modes["ddp:ring"]["final_loss"], rel=1e-5)
 
 
 @pytest.mark.slow

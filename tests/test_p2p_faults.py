@@ -10,6 +10,7 @@ group's timeout."""
 import os
 import signal
 
+import cases
 import pytest
 
 from commlab.diagnostics.drill import drill
@@ -40,7 +41,7 @@ def _every_survivor_raises(got, limit_s=2.0):
           ("shm_ps", "sigkill"), ("auto", "sigint")),
 ])
 def test_every_survivor_raises_within_two_seconds(algorithm, fault):
-    _every_survivor_raises(drill(algorithm, fault, world_size=3))
+    _every_survivor_raises(drill(algorithm, fault, world_size=3, delay=cases.DRILL_DELAY))
 
 
 @pytest.mark.slow
@@ -51,7 +52,7 @@ def test_across_emulated_hosts(algorithm, fault):
     # auto: rank 0 learnt of rank 1's Ctrl-C in the group's agreement while rank 2 waited on
     # it in hier's link stage, another group: 60 s (the group's timeout) in 2 runs of 3,
     # before a rank that gives up on a group gave up on the sub-groups made from it.
-    _every_survivor_raises(drill(algorithm, fault, world_size=4, hosts=2))
+    _every_survivor_raises(drill(algorithm, fault, world_size=4, hosts=2, delay=cases.DRILL_DELAY))
 
 
 @pytest.mark.slow

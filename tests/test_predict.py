@@ -430,6 +430,19 @@ def test_this_host_charges_ddp_the_drift_through_its_optimizer_and_zero1_not():
     assert got["zero1"]["iter_ms"] == old["zero1"]["iter_ms"]
 
 
+def test_this_host_cannot_price_dp_or_a_mode_it_does_not_know():
+    """On CPU ranks this-host has no DataParallel (one process driving GPUs) and no fit for a
+    mode nobody can run: their rows say so, beside the modes it prices (compare's this-host
+    columns show them as unavailable)."""
+    p = 2
+    benches = [_affine_bench("all_reduce", ("builtin", "shm"), p, 30.0, 2e-3)]
+    prof = hardware.this_host(benches, compute_ms=20.0, ranks=p, cores=2)
+    s = replicated.Setup("mlp", world=p, batch_size=16, width=64, depth=3)
+    got = {r["mode"]: r for r in per_mode.predict(["dp", "ddp", "ddp:shm", "ddp:nope"], s, prof, replicated.Steps(s))}
+    assert got["dp"]["status"] == got["ddp:nope"]["status"] == "unavailable", got
+    assert got["ddp"]["status"] == got["ddp:shm"]["status"] == "ok"
+
+
 def test_this_host_prices_fsdps_calls_as_training_issues_them():
     """FSDP's collectives come after compute, the ranks arriving apart and, where they
     outnumber the cores, the early ones asleep: this host's probe (measure.syncprobe)

@@ -1,5 +1,5 @@
 """Soak: thousands of mixed-size calls per algorithm on 4 ranks (10,000 through shared
-memory, 4,000 through the point-to-point transport), every result checked exactly, with
+memory, 2,000–4,000 through the point-to-point transport), every result checked exactly, with
 no growth in file descriptors, mappings or resident memory."""
 import os
 
@@ -71,8 +71,11 @@ def soak(rank, p, algorithm, calls):
 # The p2p algorithms (one transport, transports/p2p.py) run 4,000 calls, growth counted over
 # the last 3,000: a leak of a mapping every 1,500 calls still shows (leaked()), and 2 MiB of
 # RSS is 700 bytes a call; COMMLAB_SOAK_CALLS=10000 soaks them as long as shared memory.
-# So does builtin, whose calls are gloo's behind the API every algorithm shares.
-SHORT = {"ring", "rhd", "rd", "direct", "ps", "ps_sharded", "builtin"}
+# So does builtin, whose calls are gloo's behind the API every algorithm shares. ring soaks
+# that transport at its length; the other p2p algorithms add only their own steps on it,
+# at half of it (a mapping every 750 calls, 1.4 KB of RSS a call still show): the transport
+# is soaked once, not five times over (2 minutes of the suite on two cores).
+SHORT = {"ring": 4000, "builtin": 4000, "rhd": 2000, "rd": 2000, "direct": 2000, "ps": 2000, "ps_sharded": 2000}
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +95,11 @@ def soak_ranks():
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", commlab.algorithms.for_device("cpu"))
 def test_thousands_of_calls_without_growth(soak_ranks, algorithm):
-    calls = min(CALLS, 4000) if algorithm in SHORT else CALLS
+    calls = CALLS if "COMMLAB_SOAK_CALLS" in os.environ else SHORT.get(algorithm, CALLS)
     for res in soak_ranks.run(soak, algorithm, calls, timeout=600):
         assert res["wrong"] == 0, res
         assert res["fds"] == 0 and not leaked(res["maps"]), res
-        assert res["rss_growth"] < 2 << 20, res  # over 3,000 calls (7,500 through shared memory): > 700 bytes a call
+        assert res["rss_growth"] < 2 << 20, res  # over 3/4 of the calls: > 700 bytes a call at 4,000
 
 
 def test_a_one_off_step_is_not_a_leak_and_steady_growth_is():
