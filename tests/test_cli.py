@@ -317,20 +317,19 @@ def test_the_floors_can_be_left_out_and_this_hosts_fit_leaves_them_out(tmp_path,
     env = json.loads(out.read_text())["env"]
     assert not {"group_bandwidth_gbps", "handoffs", "hot_copy_us"} & set(env), env
     assert "efficiency" not in proc.stdout and ": floor" not in proc.stdout
-    import subprocess as sp
-
     from commlab.experiments.compare import calibrate
 
     seen = []
 
-    def fake_run(cmd, **kwargs):
-        seen.append(cmd)
-        with open(cmd[cmd.index("--json") + 1], "w") as f:
+    def fake_main(argv):
+        seen.append(argv)
+        with open(argv[argv.index("--json") + 1], "w") as f:
             json.dump({"env": {}, "results": []}, f)
+        return 0
 
-    monkeypatch.setattr(sp, "run", fake_run)
+    monkeypatch.setattr(calibrate.bench, "main", fake_main)
     calibrate.host_bench(4, "all_reduce", ["builtin"])
-    assert "--no-floors" in seen[0]
+    assert "--no-floors" in seen[0] and "--no-table" in seen[0]  # its table would land in compare's
 
 
 def test_clock_offsets_are_found_within_the_error_they_state():

@@ -113,6 +113,8 @@ def test_the_documented_this_host_prediction(launches, request):
             sum(m["arrival_skew_ms"] for m in noops) / 2 + sync["after_arrival"] * probe["exit_spread_us"]
             / probe["after_us"])
     assert "ddp:shm (pred)" in proc.stdout
+    # this-host's benches run inside compare (--no-table): their tables stay out of its output
+    assert "# average busbw" not in proc.stdout and "predicting this-host: -m commlab.allreduce_bench" in proc.stderr
 
 
 @pytest.mark.slow

@@ -270,6 +270,8 @@ def parser() -> argparse.ArgumentParser:
                          "chrome://tracing): a process per rank, a thread per algorithm; ranks on several hosts "
                          "on rank 0's clock, with the offsets measured through the store")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--no-table", action="store_true",
+                    help="print no table: the outputs (--json, --csv, ...) only, as compare's this-host fit reads them")
     ap.add_argument("--tune", metavar="FILE",
                     help="write the fastest correct algorithm per size range for this layout into FILE (kept "
                          "entries of other layouts); COMMLAB_TUNING=FILE makes `auto` use it")
@@ -289,7 +291,8 @@ def rank_main(args) -> None:
     for collective in todo:
         doc = run_bench(argparse.Namespace(**{**vars(args), "collective": collective}))
         if doc is not None:
-            print(report(doc), flush=True)
+            if not getattr(args, "no_table", False):
+                print(report(doc), flush=True)
             write_outputs(doc, args, collective if len(todo) > 1 else None)
     launch.leave()
 

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -20,7 +19,7 @@ from commlab.experiments.modes import Mode
 from commlab.experiments.predict import hardware, per_mode, replicated
 from commlab.experiments.predict import sharded as S
 from commlab.experiments.predict.sharded import BROADCAST
-from commlab.measure import syncprobe
+from commlab.measure import bench, syncprobe
 from commlab.measure.probes import measure_first_touch
 
 
@@ -257,11 +256,14 @@ def host_bench(world: int, collective: str, names: list[str]) -> dict:
     lo, hi = ("256K", "16M") if collective == "all_reduce" else ("4K", "64M")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "bench.json")
-        cmd = [sys.executable, "-m", "commlab.allreduce_bench", "--world-size", str(world), "--collective", collective,
-               "--algorithms", ",".join(names), "-b", lo, "-e", hi, "-f", "4", "--anchors", "none",
-               "--budget", os.environ.get("COMMLAB_BENCH_BUDGET", "0.1"), "--rounds", "1", "--quiet", "--json", out,
-               "--no-floors"]  # the fit reads the rows only: the floors were 2.2 s of an 8 s bench
-        print(f"# predicting this-host: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=600)
+        argv = ["--world-size", str(world), "--collective", collective, "--algorithms", ",".join(names), "-b", lo,
+                "-e", hi, "-f", "4", "--anchors", "none", "--budget", os.environ.get("COMMLAB_BENCH_BUDGET", "0.1"),
+                "--rounds", "1", "--quiet", "--no-table", "--json", out,
+                "--no-floors"]  # the fit reads the rows only: the floors were 2.2 s of an 8 s bench
+        print(f"# predicting this-host: -m commlab.allreduce_bench {' '.join(argv)}", file=sys.stderr, flush=True)
+        # Run from this process: its ranks fork from the server compare's modes started, where
+        # a `python -m` of it started two fresh interpreters importing torch first.
+        if bench.main(argv) != 0:
+            raise RuntimeError(f"this-host's bench failed (-m commlab.allreduce_bench {' '.join(argv)}): see above")
         with open(out) as f:
             return json.load(f)
