@@ -203,7 +203,8 @@ def refused_alike_then_usable(rank, p):
 def test_a_refusal_every_rank_shares_leaves_the_group_usable(ranks):
     # shm across two (emulated) hosts refuses on every rank alike: the group stays usable.
     # It gave the group up before: the first rank's refusal became the others' PeerError
-    # and every later call on the group raised it (tests/test_twohost.py, 2026-12-04).
+    # and every later call on the group raised it, as tests/test_twohost.py showed
+    # (docs/measurements.md, "What the tests rest on").
     assert ranks.run(4, refused_alike_then_usable) == [("UnsupportedError", True)] * 4
 
 

@@ -1,7 +1,7 @@
-"""The extension must share the process's C++ runtime: on the H200 image (2026-12-04) the
-compiler wrapper linked libstdc++ statically, and the first C++ error (a TORCH_CHECK, a
-PeerLostError) segfaulted instead of raising. setup.py refuses such a build and
-commlab.core.ext refuses to use one, both naming the remedy."""
+"""The extension must share the process's C++ runtime: where the compiler wrapper links
+libstdc++ statically, the first C++ error (a TORCH_CHECK, a PeerLostError) segfaults
+instead of raising (docs/measurements.md, "What the tests rest on"). setup.py refuses
+such a build and commlab.core.ext refuses to use one, both naming the remedy."""
 import importlib
 import shutil
 import subprocess

@@ -243,11 +243,11 @@ def test_the_waiting_predicted_from_the_compute_only_step_shares_the_cores_of_ra
 def test_ddps_wait_is_the_drift_from_one_end_of_backward_to_the_next():
     """DDP synchronises once a step, at backward's end: the stretch a rank drifts over runs
     from the previous step's synchronisation through its optimizer step to this one, not
-    from the step's own start. With AdamW (the issue's 1024x8 transformer, 4 ranks on 2
-    cores, 2026-12-05) the ranks' optimizer steps took 630-800 ms and differed by 200-270:
-    ddp's wait measured 376 ms; the drift from each step's start predicted 276, from one
-    end of backward to the next 380 (docs/measurements.md). ZeRO-1's broadcasts line the
-    ranks up after its optimizer: its wait stays the one from the step's start."""
+    from the step's own start. Where the ranks' optimizer steps differ (AdamW), the drift
+    from each step's start falls short of ddp's measured wait and the drift from one end of
+    backward to the next matches it (docs/measurements.md, "What the tests rest on").
+    ZeRO-1's broadcasts line the ranks up after its optimizer: its wait stays the one from
+    the step's start."""
     from commlab.experiments.compare import workers
 
     def log(*ends):  # (iteration, bucket, s after the rank's own start), iterations 4 and 5
@@ -579,10 +579,9 @@ def test_compare_samples_the_host_after_the_first_compute_only_step_and_after_th
 
 
 def test_compare_samples_the_host_in_the_middle_of_a_long_comparison_too(monkeypatch):
-    """Two samples' mean carries half of one slow moment into every mode (2026-12-06: the
-    first probe of the issue's five modes read every FSDP call 45 % slower than the last,
-    and FSDP's three modes were predicted 25-28 % high); with a third taken between the
-    modes, one slow moment is outvoted."""
+    """Two samples' mean carries half of one slow moment into every mode (a slow first
+    probe put every FSDP mode's prediction high; docs/measurements.md, "What the tests rest
+    on"); with a third taken between the modes, one slow moment is outvoted."""
     from commlab.experiments.compare import cli
 
     events = _record_runs_and_samples(monkeypatch, cli)
@@ -621,8 +620,8 @@ def test_this_host_pools_three_samples_by_their_median():
 
 
 def test_compare_repeats_every_mode_in_rounds(monkeypatch):
-    """The steps' ± does not cover how far whole runs differ (2026-12-06: DDP's wait for the
-    last rank 406 and 807 ms a step in two runs of the same command, −2.8 σ apart):
+    """The steps' ± does not cover how far whole runs of the same command differ
+    (docs/measurements.md, "What the tests rest on"):
     --repeat R runs every mode R times in fresh processes, in rounds, so a slow phase of the
     machine falls on every mode alike, and shows one column per mode."""
     from commlab.experiments.compare import cli

@@ -159,11 +159,11 @@ def test_one_level_fit_of_another_collective_names_its_winners_per_size_range(tm
 def test_first_touch_is_measured_per_size_as_the_allocator_recycles():
     """A freed buffer below glibc's mmap threshold (raised to each freed mapping, at most 32
     MiB) comes back from the heap without faults; above it every allocation is mapped
-    afresh. One rate measured at 48 MiB charged FSDP's 12.6 MB outputs faults they never
-    took (2026-12-05: 0.17 ns/B from 32 MiB up, ~0.002 below). Measured in a fresh
-    interpreter: whether a freed 4 MiB chunk comes back or the heap's top is trimmed and
-    faulted afresh depends on what the process allocated before (in this test session the 4
-    MiB rate read 0.036 and 0.285 ns/B on some runs, faulting)."""
+    afresh, so one rate measured at a large size charges FSDP's smaller outputs faults they
+    never take. Measured in a fresh interpreter: whether a freed 4 MiB chunk comes back or
+    the heap's top is trimmed and faulted afresh depends on what the process allocated
+    before, and inside the test session the 4 MiB rate read as faulting on some runs
+    (docs/measurements.md, "What the tests rest on")."""
     code = "import json; from commlab.measure import probes; " \
            "print(json.dumps(probes.measure_first_touch([4 << 20, 64 << 20])))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -1,8 +1,8 @@
-"""CUDA tensors on the pure torch.distributed algorithms, found on the first GPU lent
-(an H200, 2026-12-04): on a gloo group gloo's send and receive take host pointers, and a
-CUDA tensor ended both ranks with "writev: Bad address" (all-gather's ring, DDP's
-ddp:ring hook); and batches drawn on the CPU were most of compare's GPU step. The
-decisions run anywhere; the collectives need a GPU (scripts/gpu_check.sh)."""
+"""CUDA tensors on the pure torch.distributed algorithms, found on the first GPU lent: on
+a gloo group gloo's send and receive take host pointers, and a CUDA tensor ended both
+ranks with "writev: Bad address" (all-gather's ring, DDP's ddp:ring hook); and batches
+drawn on the CPU were most of compare's GPU step (docs/measurements.md, "What the tests
+rest on"). The decisions run anywhere; the collectives need a GPU (scripts/gpu_check.sh)."""
 import pytest
 import torch
 import torch.distributed as dist

@@ -59,9 +59,9 @@ def test_across_emulated_hosts(algorithm, fault):
 @pytest.mark.parametrize("algorithm", ["ring", "shm", "shm_ps"])
 def test_a_frozen_peer_is_named_after_its_heartbeats_stop(monkeypatch, algorithm):
     # SIGSTOP: nothing closes, as with a hung host; the heartbeat names it. ring's peers
-    # may wait for it in the call's agreement, on shared memory (CI, 2026-12-04: named
-    # only when the drill killed it, 7 s), and shm and shm_ps waited there for good
-    # before shared memory had a heartbeat of its own.
+    # may wait for it in the call's agreement, on shared memory, where it was named only
+    # when the drill killed it (docs/measurements.md, "What the tests rest on"), and shm
+    # and shm_ps waited there for good before shared memory had a heartbeat of its own.
     monkeypatch.setenv("COMMLAB_PEER_TIMEOUT", "2")
     got = drill(algorithm, "sigstop", world_size=3)
     _every_survivor_raises(got, limit_s=2 + 2.5)
@@ -122,8 +122,8 @@ def _mid_transfer(rank, p, nbytes):
 @pytest.mark.slow  # the quick tier keeps ring's survivors of a killed and an interrupted rank
 def test_a_send_half_written_to_a_dead_peer_fails_within_seconds(monkeypatch):
     # gloo fails a send still queued or not yet started when its connection breaks, not
-    # one half written (its transmit queue's unbound buffers are never told): rank 0 of
-    # the broadcast drill waited out the group's timeout in 1 run of ~130 (CI, 2026-12-04).
+    # one half written (its transmit queue's unbound buffers are never told): a rank can
+    # wait out the group's timeout (docs/measurements.md, "What the tests rest on").
     import threading
 
     from commlab.measure.pools import RankPool

@@ -125,9 +125,9 @@ def test_ddp_given_its_cap_makes_the_first_bucket_that_size_too(tmp_path):
     """torch 2.14's DDP makes a 1 MiB first bucket only when bucket_cap_mb is left to its
     default; given one (as compare always gives it) every bucket is that size. Predicted
     with a 1 MiB first bucket, the 1024x8 transformer's last bucket (the one left after
-    backward) came out a small remainder where training's is a full 33.6 MB one: DDP's
-    part after the last arrival was predicted at 38-39 ms where three runs measured 78-85
-    (2026-12-06, eleven runs in a row under by half)."""
+    backward) came out a small remainder where training's is a full one, and DDP's part
+    after the last arrival was predicted well under what training measured
+    (docs/measurements.md, "What the tests rest on")."""
     from torch.nn.parallel.distributed import _BucketCapacityConfig as Config
 
     counts = {}
@@ -197,9 +197,9 @@ def test_a_faster_link_shrinks_only_communication():
 
 def test_where_ranks_outnumber_cores_the_buckets_share_backwards_cores():
     """4 ranks on 2 cores: gloo's threads ran DDP's buckets during backward on the cores
-    backward needed, which slowed backward and left 58 ms after it (compare, 2026-12-05,
-    the 100 M-parameter transformer); the model ran every bucket after backward (388 ms
-    exposed). Processor sharing: each at half speed while both run."""
+    backward needed, which slowed backward and left little after it, where the model ran
+    every bucket after backward, all of it exposed (docs/measurements.md, "What the tests
+    rest on"). Processor sharing: each at half speed while both run."""
     assert replicated.shared_cores([10.0], [5.0], 10.0) == (10.0, 15.0)  # ready at the end: all of it exposed
     assert replicated.shared_cores([0.0], [4.0], 10.0) == pytest.approx((14.0, 14.0))  # both at half speed for 8
     assert replicated.shared_cores([0.0, 10.0], [4.0, 3.0], 10.0) == pytest.approx((14.0, 17.0))
@@ -354,8 +354,8 @@ def test_this_host_fits_every_collective_the_sharded_modes_use():
         2 * 1e-4 * outputs, rel=1e-6)
     # Measured per size: glibc recycles a freed buffer below its mmap threshold (at most 32
     # MiB) from the heap, faulting nothing; above it every call's output is mmapped afresh
-    # (2026-12-05: 12.6 MB outputs cost gloo's all-gather 3.5 ms more fresh than reused,
-    # 50 MB ones 40.6). A size pays the rate measured at the largest size not above it.
+    # (docs/measurements.md, "What the tests rest on"). A size pays the rate measured at the
+    # largest size not above it.
     big = max(sizes[:-1])
     table = [[1, 0.0], [big, 1e-4]]  # faults only from the blocks' size up
     stepped = hardware.this_host(benches, compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0,
@@ -448,8 +448,8 @@ def test_this_host_prices_fsdps_calls_as_training_issues_them():
     outnumber the cores, the early ones asleep: this host's probe (measure.syncprobe)
     times a call after the last arrival and how far apart the ranks leave it. Each call
     is priced at the probe's ratio to the bench's back-to-back time, its exit spread added
-    to the wait (2026-12-05, 4 ranks on 2 cores, 12.6 MB: commlab's shm 5.6 ms a call in
-    training, 1.7 in the bench, 4.1-5.5 in the probe; docs/measurements.md)."""
+    to the wait: a call in training takes far longer than the bench's, and the probe's
+    comes close to training's (docs/measurements.md, "What the tests rest on")."""
     p, a, b, n16 = 4, 30.0, 2e-3, 16 << 20
     names = ("shm", "builtin")
     benches = [_affine_bench(c, names, p, a, b) for c in ("all_reduce", "all_gather", "reduce_scatter")]
@@ -487,11 +487,11 @@ def test_this_host_prices_fsdps_calls_as_training_issues_them():
 def test_this_host_prices_fsdps_calls_between_the_allocators_two_states():
     """Whether FSDP2's output for a call is mapped afresh (its pages faulted in inside the
     call) or recycled from the heap is the allocator's state at that moment, which nothing
-    before the run tells (2026-12-06 traces: 18-47 % of gloo's 48 MiB all-gathers recycled,
-    91-98 ms against 133-135 mapped afresh). With the probe's call into recycled buffers
-    beside the fresh one, the prediction is the middle of the two states' and its
-    standard error takes in their range (as a mixture anywhere in it: half the range over
-    √3); the range is in the breakdown. Without the recycled probe: the fresh one alone."""
+    before the run tells, and a call into recycled buffers is much faster than one mapped
+    afresh (docs/measurements.md, "What the tests rest on"). With the probe's call into
+    recycled buffers beside the fresh one, the prediction is the middle of the two states'
+    and its standard error takes in their range (as a mixture anywhere in it: half the range
+    over √3); the range is in the breakdown. Without the recycled probe: the fresh one alone."""
     p, a, b, n16 = 4, 30.0, 2e-3, 16 << 20
     names = ("shm", "builtin")
     benches = [_affine_bench(c, names, p, a, b) for c in ("all_reduce", "all_gather", "reduce_scatter")]
@@ -531,11 +531,11 @@ def test_this_host_prices_fsdps_calls_between_the_allocators_two_states():
 
 def test_this_host_prices_what_is_left_of_ddps_buckets_after_backward_as_the_probe_times_it():
     """DDP's buckets left after backward are called after compute, the ranks arriving
-    apart; in training (2026-12-06 traces, 4 ranks on 2 cores, the issue's 1024x8 model)
-    that tail took 79-93 ms after the last arrival where the bench's back-to-back calls
-    priced 23-33. The probe's all-reduce in place at a bucket's size gives the ratio and
-    how far apart the ranks leave it, as for FSDP's calls: the tail priced at the ratio,
-    the spread joining the wait; a hardware profile (no probe) unchanged."""
+    apart; in training that tail took far longer after the last arrival than the bench's
+    back-to-back calls priced (docs/measurements.md, "What the tests rest on"). The
+    probe's all-reduce in place at a bucket's size gives the ratio and how far apart the
+    ranks leave it, as for FSDP's calls: the tail priced at the ratio, the spread joining
+    the wait; a hardware profile (no probe) unchanged."""
     p, a, b, n = 4, 30.0, 2e-3, 8 << 20
     benches = [_affine_bench("all_reduce", ("builtin", "shm"), p, a, b)]
     kw = dict(compute_ms=500.0, ranks=p, cores=2, arrival_skew_ms=5.0, optimizer_ms=50.0)
@@ -564,10 +564,11 @@ def test_this_host_prices_what_is_left_of_ddps_buckets_after_backward_as_the_pro
 
 def test_this_host_prices_zero1s_broadcasts_as_its_probe_timed_them_together():
     """ZeRO-1 broadcasts every parameter from its owner after the step, asynchronously
-    (gloo's two worker threads take them in turn) and waits for them together: priced one call after
-    another from the bench, they came out 22-76 % over what three runs measured
-    (2026-12-05/06). On this host the probe of that phase, with the model's parameters,
-    scales them; its exit spread joins the wait; a hardware profile is unchanged."""
+    (gloo's two worker threads take them in turn) and waits for them together: priced one
+    call after another from the bench, they came out well over what training measured
+    (docs/measurements.md, "What the tests rest on"). On this host the probe of that phase,
+    with the model's parameters, scales them; its exit spread joins the wait; a hardware
+    profile is unchanged."""
     from commlab.experiments.predict import sharded as S
     from commlab.measure.syncprobe import ZERO1
 
@@ -600,9 +601,9 @@ def test_this_host_prices_zero1s_broadcasts_as_its_probe_timed_them_together():
 
 def test_this_host_charges_zero1_the_wait_at_its_broadcasts_after_its_optimizer():
     """ZeRO-1's ranks, lined up by the buckets, step their quarters at once and the
-    broadcasts wait for the slowest: 4 ranks on 2 cores reached them 90 to 731 ms apart
-    (six runs' traces) and waited 43-288 ms a step there, which the prediction did not
-    charge (ZeRO-1 under-predicted by 7-38 % in five runs, 2026-12-05/06). From the probe of that phase:
+    broadcasts wait for the slowest: 4 ranks on 2 cores reached them far apart and waited
+    there every step, which the prediction did not charge: ZeRO-1 was under-predicted
+    (docs/measurements.md, "What the tests rest on"). From the probe of that phase:
     the wait added to the drift before the buckets (± of both), the phase (the slowest
     rank's pace) in place of 1/p of the optimizer; a probe after fixed work, as before."""
     from commlab.measure.syncprobe import ZERO1
@@ -633,8 +634,8 @@ def test_this_host_charges_zero1_the_wait_at_its_broadcasts_after_its_optimizer(
 def test_this_host_prices_a_call_from_the_bench_times_around_its_size():
     """Between two sizes the bench timed, a call costs what the bench measured there,
     interpolated; the α-β fit only past them. gloo's all-gather grows faster than linearly
-    past 16 MiB: the fit put 64 MiB at 66 ms where the bench measured 100 (2026-12-05), and
-    FSDP's 48 MiB blocks fell in between."""
+    past 16 MiB: the fit put 64 MiB well under what the bench measured, and FSDP's 48 MiB
+    blocks fall in between (docs/measurements.md, "What the tests rest on")."""
     times = {4096: 1000.0, 1 << 20: 2000.0, 16 << 20: 14000.0, 64 << 20: 100000.0}
     bench = {"collective": "all_gather", "env": {"world_size": 4, "gamma_us_per_byte": 3e-5},
              "results": [{"algorithm": "builtin", "bytes": n, "time_us": t} for n, t in times.items()]}

@@ -83,10 +83,11 @@ def test_a_killed_rank_is_survived_and_the_result_is_unchanged(tmp_path):
 
 
 def test_a_race_with_the_agent_is_told_apart_from_a_survivor_that_never_raised(tmp_path):
-    """The agent looks every 3 s; where its look falls within the ~0.1 s the survivors take
-    to raise, its SIGTERM stops them first (seen once in CI, 2026-12-05: no error on record).
-    The example logs that stop, and only that record, with no error beside it, reruns the
-    scenario; a survivor that neither raised nor was stopped still fails the test."""
+    """The agent looks every 3 s; where its look falls within the moment the survivors take
+    to raise, its SIGTERM stops them first, with no error on record (docs/measurements.md,
+    "What the tests rest on"). The example logs that stop, and only that record, with no
+    error beside it, reruns the scenario; a survivor that neither raised nor was stopped
+    still fails the test."""
     def write(*events):
         with open(tmp_path / "events.jsonl", "w") as f:
             f.writelines(json.dumps(dict(e, t=0.0)) + "\n" for e in events)

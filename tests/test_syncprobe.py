@@ -92,9 +92,9 @@ def test_compare_probes_ddps_bucket_all_reduces_in_place(monkeypatch):
 
 def test_the_probe_also_calls_into_buffers_the_allocator_recycled(monkeypatch):
     """FSDP2 allocates every call's output, and where it comes from is the allocator's state
-    at that moment: a 48 MiB output mapped afresh faults its pages in inside the call, one
-    from a free heap chunk does not (in training 18-47 % of gloo's all-gathers, 91-98 ms
-    against 133-135; 2026-12-06). The probe times both: "reused" makes the buffers once
+    at that moment: a large output mapped afresh faults its pages in inside the call, one
+    from a free heap chunk does not, and training sees both (docs/measurements.md, "What
+    the tests rest on"). The probe times both: "reused" makes the buffers once
     and rewrites the input before every call, as FSDP2 copies it in."""
     made = []
     real = syncprobe.fsdp_buffers
@@ -183,8 +183,8 @@ def _zero1_steps(rank, world, sizes, optimizer):
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_zero1s_probe_steps_each_ranks_own_parameters_before_the_broadcasts(optimizer):
     """ZeRO-1's ranks step their own parameters at once (lined up by the buckets) and the
-    broadcasts wait for the slowest: 4 ranks on 2 cores reached them 90 to 731 ms apart
-    after their quarters of AdamW (six runs' traces, 2026-12-06), a wait the probe after
+    broadcasts wait for the slowest: 4 ranks on 2 cores reached them far apart after their
+    quarters of AdamW (docs/measurements.md, "What the tests rest on"), a wait the probe after
     fixed work never showed. With an optimizer named, each call follows that optimizer's step on the
     rank's own parameters, and that step is the work (no fixed work besides)."""
     from commlab.measure import pools
@@ -237,8 +237,8 @@ def _probe_with_slow_buffers(rank, world):
 
 def test_the_probe_times_the_call_not_the_making_of_its_buffers():
     """FSDP2 writes a reduce-scatter's input (its gradients) before the call: a probe that
-    made and wrote its 48 MiB input inside the timed call read gloo's reduce-scatter at
-    187 ms where training's took 131, shm's at 59 where training's took 33 (2026-12-06)."""
+    made and wrote its input inside the timed call read gloo's and shm's reduce-scatters
+    well above training's (docs/measurements.md, "What the tests rest on")."""
     from commlab.measure import pools
 
     outcomes = pools.run_once(2, _probe_with_slow_buffers, backend="gloo", timeout=60)
