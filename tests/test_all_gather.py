@@ -2,7 +2,9 @@
 registered algorithm on 1-8 ranks, every dtype, sizes not divisible by anything, empty,
 flat and stacked outputs, strided inputs and outputs, the in-place convention, async,
 sub-groups; a mismatch is the same CollectiveMismatchError on every rank, a rank that
-refuses its own arguments makes its peers raise naming it."""
+refuses its own arguments makes its peers raise naming it.
+The promises every family keeps alike run from tests/test_families.py, with this file's
+calls."""
 
 import cases
 import pytest
@@ -52,11 +54,6 @@ def assert_sweep(results):
 SWEEP = cases.family_sweep(ALGORITHMS)
 
 
-@pytest.mark.parametrize("world_size,algorithm", SWEEP)
-def test_sweep(ranks, world_size, algorithm):
-    assert_sweep(ranks.run(world_size, sweep, algorithm, timeout=300))
-
-
 def layouts(rank, p, algorithm):
     out = []
     n = 6
@@ -98,22 +95,11 @@ def layouts(rank, p, algorithm):
     return out
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_layouts_inplace_and_async(ranks, algorithm):
-    for fails in ranks.run(3, layouts, algorithm):
-        assert not fails, fails
-
-
 def subgroups(rank, p, algorithm):
     out = torch.empty(2 * 5, dtype=torch.int64)
     with cases.halves(rank) as (g, members):
         commlab.all_gather(out, torch.full((5,), rank, dtype=torch.int64), group=g, algorithm=algorithm)
     return torch.equal(out, torch.tensor(members).repeat_interleave(5))
-
-
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_subgroups(ranks, algorithm):
-    assert all(ranks.run(4, subgroups, algorithm))
 
 
 def mismatched(rank, p, algorithm, what):
@@ -137,18 +123,6 @@ def wrong_output(rank, p, algorithm):
     return cases.on_fresh_group(p, lambda g: commlab.all_gather(out, torch.ones(8), group=g, algorithm=algorithm))
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_a_rank_refusing_its_arguments_makes_every_peer_raise(ranks, algorithm):
-    cases.assert_refusal_named(ranks.run(3, wrong_output, algorithm), "needs world size 3")
-
-
-@pytest.mark.parametrize("algorithm,fault", cases.first_two_quick(
-    ("ring", "sigkill"), ("shm", "sigint"), ("rd", "sigint"), ("direct", "exception"), ("builtin", "sigkill"),
-    ("ring", "error-in-call"), ("shm", "sigkill")))
-def test_a_failed_rank_makes_every_peer_raise_within_two_seconds(algorithm, fault):
-    cases.assert_drill_named_rank_1(algorithm, fault, "all_gather")
-
-
 @pytest.mark.slow
 def test_a_frozen_rank_is_named(monkeypatch):
     monkeypatch.setenv("COMMLAB_PEER_TIMEOUT", "2")
@@ -170,14 +144,6 @@ def across_hosts(rank, p, hosts, algorithm):
                 if not torch.equal(out, want):
                     bad.append(f"{dtype} n={n}")
         return bad, cases.picked_for("all_gather", algorithm, group, torch.int8)
-
-
-@pytest.mark.parametrize("name", list(cases.HOST_LAYOUTS))
-@pytest.mark.parametrize("algorithm", ["hier", "auto"])
-def test_across_emulated_hosts(ranks, name, algorithm):
-    picks = cases.picks_across_hosts(ranks, name, across_hosts, algorithm)
-    if algorithm == "auto":  # shm on one host, hier where a host has several ranks, the ring with one rank per host
-        assert picks == {{"1x3": "ring", "1 host": "shm"}.get(name, "hier")}, picks
 
 
 def refused_alike_then_usable(rank, p):
@@ -226,3 +192,12 @@ def test_recursive_doublings_two_level_schedule():
     host, link = family.get("rd").stages(2, 2, 1 << 20)
     assert (host.level, host.steps, host.bytes) == ("host", 1, (1 << 20) / 4)
     assert (link.level, link.steps, link.bytes, link.rank_bytes) == ("link", 1, 2 * (1 << 20) / 2, (1 << 20) / 2)
+
+
+# For tests/test_families.py, whose docstring says what each of these is for.
+COLLECTIVE = "all_gather"
+REFUSAL = (wrong_output, "needs world size 3")
+FAULTS = cases.first_two_quick(("ring", "sigkill"), ("shm", "sigint"), ("rd", "sigint"), ("direct", "exception"),
+    ("builtin", "sigkill"), ("ring", "error-in-call"), ("shm", "sigkill"))
+ACROSS_HOSTS, AUTO_ACROSS_HOSTS = ["hier", "auto"], ({"1x3": "ring", "1 host": "shm"}, "hier")
+UNKNOWN = lambda: commlab.all_gather(torch.empty(1), torch.empty(1), algorithm="nope")  # noqa: E731

@@ -4,7 +4,9 @@ ranks that send or receive nothing), rows of several elements, strided and conj 
 async, sub-groups; every block lands where torch's would; splits that disagree, a size,
 dtype, algorithm or collective mismatch are the same CollectiveMismatchError on every
 rank before any byte lands, a rank that refuses its own arguments makes its peers raise
-naming it, a failed rank makes every peer raise within two seconds."""
+naming it, a failed rank makes every peer raise within two seconds.
+The promises every family keeps alike run from tests/test_families.py, with this file's
+calls."""
 
 import cases
 import pytest
@@ -59,11 +61,6 @@ def sweep(rank, p, algorithm):
 SWEEP = cases.family_sweep(ALGORITHMS, quick_at_3=("bruck", "shm"))
 
 
-@pytest.mark.parametrize("world_size,algorithm", SWEEP)
-def test_sweep(ranks, world_size, algorithm):
-    cases.assert_none_failed(ranks.run(world_size, sweep, algorithm, timeout=300))
-
-
 def large(rank, p, algorithm):
     # Blocks larger than a shared-memory piece (several pieces), uneven: 3 MiB to 0 bytes.
     rows = [[(1 << 20) * ((j + q) % 3) for q in range(p)] for j in range(p)]
@@ -106,20 +103,9 @@ def layouts(rank, p, algorithm):
     return out
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_layouts_and_async(ranks, algorithm):
-    for fails in ranks.run(3, layouts, algorithm):
-        assert not fails, fails
-
-
 def subgroups(rank, p, algorithm):
     with cases.halves(rank) as (g, _):
         return exchange(rank // 2, 2, splits_of("uneven", 2, 3), 2, torch.int64, algorithm, group=g)
-
-
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_subgroups(ranks, algorithm):
-    assert all(ranks.run(4, subgroups, algorithm))
 
 
 def mismatched(rank, p, algorithm, what):
@@ -164,23 +150,6 @@ def bad_splits(rank, p, algorithm):
                                                           algorithm=algorithm))
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_a_rank_refusing_its_arguments_makes_every_peer_raise(ranks, algorithm):
-    cases.assert_refusal_named(ranks.run(3, bad_splits, algorithm), "input_split_sizes must be 3 non-negative ints")
-
-
-@pytest.mark.parametrize("algorithm,fault", cases.first_two_quick(
-    ("pairwise", "sigkill"), ("shm", "sigint"), ("bruck", "sigint"), ("bruck", "exception"),
-    ("builtin", "sigkill"), ("pairwise", "error-in-call"), ("shm", "sigkill")))
-def test_a_failed_rank_makes_every_peer_raise_within_two_seconds(algorithm, fault):
-    cases.assert_drill_named_rank_1(algorithm, fault, "all_to_all")
-
-
-def test_unsupported_calls_are_clear():
-    with pytest.raises(commlab.UnsupportedError, match="unknown all_to_all algorithm 'nope'"):
-        commlab.all_to_all(torch.empty(1), torch.empty(1), algorithm="nope")
-
-
 def one_rank_refusals(rank, p):
     said = []
     for out, inp, osp, isp in ((torch.empty(2), torch.empty(3), None, None),  # 3 rows out, 2 in
@@ -211,9 +180,11 @@ def across_hosts(rank, p, hosts, algorithm):
         return bad, cases.picked_for("all_to_all", algorithm, group, torch.int8)
 
 
-@pytest.mark.parametrize("name", list(cases.HOST_LAYOUTS))
-@pytest.mark.parametrize("algorithm", ["auto", "bruck"])
-def test_across_emulated_hosts(ranks, name, algorithm):
-    picks = cases.picks_across_hosts(ranks, name, across_hosts, algorithm)
-    if algorithm == "auto":  # shm on one host; across hosts auto itself, choosing by size
-        assert picks == {"shm" if name == "1 host" else "auto"}, picks
+# For tests/test_families.py, whose docstring says what each of these is for.
+assert_sweep = cases.assert_none_failed
+COLLECTIVE = "all_to_all"
+REFUSAL = (bad_splits, "input_split_sizes must be 3 non-negative ints")
+FAULTS = cases.first_two_quick(("pairwise", "sigkill"), ("shm", "sigint"), ("bruck", "sigint"),
+    ("bruck", "exception"), ("builtin", "sigkill"), ("pairwise", "error-in-call"), ("shm", "sigkill"))
+ACROSS_HOSTS, AUTO_ACROSS_HOSTS = ["auto", "bruck"], ({"1 host": "shm"}, "auto")
+UNKNOWN = lambda: commlab.all_to_all(torch.empty(1), torch.empty(1), algorithm="nope")  # noqa: E731

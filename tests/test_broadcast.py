@@ -3,7 +3,9 @@ algorithm on 1-8 ranks, every dtype, every root, sizes not divisible by anything
 strided and 0-dim tensors, async, sub-groups (src a global rank, or group_src); every
 rank ends with the root's bits; a mismatch (size, dtype, root, algorithm, collective) is
 the same CollectiveMismatchError on every rank, a rank that refuses its own arguments
-makes its peers raise naming it, a failed rank makes every peer raise within two seconds."""
+makes its peers raise naming it, a failed rank makes every peer raise within two seconds.
+The promises every family keeps alike run from tests/test_families.py, with this file's
+calls."""
 
 import cases
 import pytest
@@ -40,11 +42,6 @@ def sweep(rank, p, algorithm):
 SWEEP = cases.family_sweep(ALGORITHMS, quick_at_3=("scatter_allgather", "shm"))
 
 
-@pytest.mark.parametrize("world_size,algorithm", SWEEP)
-def test_sweep(ranks, world_size, algorithm):
-    cases.assert_none_failed(ranks.run(world_size, sweep, algorithm, timeout=300))
-
-
 def layouts(rank, p, algorithm):
     out = []
     want = torch.arange(12, dtype=torch.float32).view(3, 4)
@@ -70,23 +67,12 @@ def layouts(rank, p, algorithm):
     return out
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_layouts_and_async(ranks, algorithm):
-    for fails in ranks.run(3, layouts, algorithm):
-        assert not fails, fails
-
-
 def subgroups(rank, p, algorithm):
     t = torch.full((5,), rank, dtype=torch.int64)
     with cases.halves(rank) as (g, members):
         root = members[1]  # a global rank, the group's second
         commlab.broadcast(t, src=root, group=g, algorithm=algorithm)
     return torch.equal(t, torch.full((5,), root))
-
-
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_subgroups(ranks, algorithm):
-    assert all(ranks.run(4, subgroups, algorithm))
 
 
 def mismatched(rank, p, algorithm, what):
@@ -111,23 +97,6 @@ def wrong_root(rank, p, algorithm):
     return cases.on_fresh_group(p, lambda g: commlab.broadcast(torch.ones(8), src=src, group=g, algorithm=algorithm))
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_a_rank_refusing_its_arguments_makes_every_peer_raise(ranks, algorithm):
-    cases.assert_refusal_named(ranks.run(3, wrong_root, algorithm), "src 7 is not a rank of this group")
-
-
-@pytest.mark.parametrize("algorithm,fault", cases.first_two_quick(
-    ("scatter_allgather", "sigkill"), ("shm", "sigint"), ("binomial", "sigint"), ("chain", "exception"),
-    ("builtin", "sigkill"), ("chain", "error-in-call"), ("shm", "sigkill")))
-def test_a_failed_rank_makes_every_peer_raise_within_two_seconds(algorithm, fault):
-    cases.assert_drill_named_rank_1(algorithm, fault, "broadcast")
-
-
-def test_unsupported_calls_are_clear():
-    with pytest.raises(commlab.UnsupportedError, match="unknown broadcast algorithm 'nope'"):
-        commlab.broadcast(torch.empty(1), src=0, algorithm="nope")
-
-
 def across_hosts(rank, p, hosts, algorithm):
     with cases.emulated_host(hosts[rank]) as group:
         bad = []
@@ -140,9 +109,11 @@ def across_hosts(rank, p, hosts, algorithm):
         return bad, cases.picked_for("broadcast", algorithm, group, torch.int8)
 
 
-@pytest.mark.parametrize("name", list(cases.HOST_LAYOUTS))
-@pytest.mark.parametrize("algorithm", ["auto", "scatter_allgather"])
-def test_across_emulated_hosts(ranks, name, algorithm):
-    picks = cases.picks_across_hosts(ranks, name, across_hosts, algorithm)
-    if algorithm == "auto":  # shm on one host; across hosts auto itself, choosing by size
-        assert picks == {"shm" if name == "1 host" else "auto"}, picks
+# For tests/test_families.py, whose docstring says what each of these is for.
+assert_sweep = cases.assert_none_failed
+COLLECTIVE = "broadcast"
+REFUSAL = (wrong_root, "src 7 is not a rank of this group")
+FAULTS = cases.first_two_quick(("scatter_allgather", "sigkill"), ("shm", "sigint"), ("binomial", "sigint"),
+    ("chain", "exception"), ("builtin", "sigkill"), ("chain", "error-in-call"), ("shm", "sigkill"))
+ACROSS_HOSTS, AUTO_ACROSS_HOSTS = ["auto", "scatter_allgather"], ({"1 host": "shm"}, "auto")
+UNKNOWN = lambda: commlab.broadcast(torch.empty(1), src=0, algorithm="nope")  # noqa: E731

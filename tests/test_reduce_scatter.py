@@ -4,7 +4,9 @@ by anything, empty, flat and stacked inputs, strided inputs and outputs, the in-
 convention, async, sub-groups; results are exact (integer-valued data) and the same
 whatever the timing; a mismatch is the same CollectiveMismatchError on every rank, a rank
 that refuses its own arguments makes its peers raise naming it, a failed rank makes every
-peer raise within two seconds."""
+peer raise within two seconds.
+The promises every family keeps alike run from tests/test_families.py, with this file's
+calls."""
 import zlib
 
 import cases
@@ -71,11 +73,6 @@ def sweep(rank, p, algorithm):
 SWEEP = cases.family_sweep(ALGORITHMS, quick_at_3=("rh", "shm"))
 
 
-@pytest.mark.parametrize("world_size,algorithm", SWEEP)
-def test_sweep(ranks, world_size, algorithm):
-    cases.assert_none_failed(ranks.run(world_size, sweep, algorithm, timeout=300))
-
-
 def random_floats(rank, p, algorithm):
     """Rounding: every algorithm folds a block in a fixed order, so repeating a call gives
     the same bits, and the result is the sum to within rounding."""
@@ -136,22 +133,11 @@ def layouts(rank, p, algorithm):
     return out
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_layouts_inplace_and_async(ranks, algorithm):
-    for fails in ranks.run(3, layouts, algorithm):
-        assert not fails, fails
-
-
 def subgroups(rank, p, algorithm):
     out = torch.empty(5, dtype=torch.int64)
     with cases.halves(rank) as (g, members):
         commlab.reduce_scatter(out, torch.full((10,), rank, dtype=torch.int64), group=g, algorithm=algorithm)
     return torch.equal(out, torch.full((5,), sum(members)))
-
-
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_subgroups(ranks, algorithm):
-    assert all(ranks.run(4, subgroups, algorithm))
 
 
 def mismatched(rank, p, algorithm, what):
@@ -177,25 +163,6 @@ def wrong_input(rank, p, algorithm):
     return cases.on_fresh_group(p, lambda g: commlab.reduce_scatter(torch.empty(8), inp, group=g, algorithm=algorithm))
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_a_rank_refusing_its_arguments_makes_every_peer_raise(ranks, algorithm):
-    cases.assert_refusal_named(ranks.run(3, wrong_input, algorithm), "needs world size 3")
-
-
-@pytest.mark.parametrize("algorithm,fault", cases.first_two_quick(
-    ("rh", "sigkill"), ("shm", "sigint"), ("ring", "sigint"), ("direct", "exception"), ("builtin", "sigkill"),
-    ("ring", "error-in-call"), ("shm", "sigkill")))
-def test_a_failed_rank_makes_every_peer_raise_within_two_seconds(algorithm, fault):
-    cases.assert_drill_named_rank_1(algorithm, fault, "reduce_scatter")
-
-
-def test_unsupported_calls_are_clear():
-    with pytest.raises(commlab.UnsupportedError, match="unknown reduce_scatter algorithm 'nope'"):
-        commlab.reduce_scatter(torch.empty(1), torch.ones(1), algorithm="nope")
-    with pytest.raises(commlab.UnsupportedError, match="dtype torch.bool is not supported"):
-        commlab.reduce_scatter(torch.empty(1, dtype=torch.bool), torch.ones(1, dtype=torch.bool))
-
-
 def across_hosts(rank, p, hosts, algorithm):
     with cases.emulated_host(hosts[rank]) as group:
         bad = []
@@ -208,9 +175,16 @@ def across_hosts(rank, p, hosts, algorithm):
         return bad, cases.picked_for("reduce_scatter", algorithm, group, torch.int32, dist.ReduceOp.SUM)
 
 
-@pytest.mark.parametrize("name", list(cases.HOST_LAYOUTS))
-@pytest.mark.parametrize("algorithm", ["auto", "hier", "rh"])
-def test_across_emulated_hosts(ranks, name, algorithm):
-    picks = cases.picks_across_hosts(ranks, name, across_hosts, algorithm)
-    if algorithm == "auto":  # shm on one host, hier where a host has several ranks, the ring with one rank per host
-        assert picks == {{"1x3": "ring", "1 host": "shm"}.get(name, "hier")}, picks
+
+def test_a_dtype_it_cannot_reduce_is_clear():
+    with pytest.raises(commlab.UnsupportedError, match="dtype torch.bool is not supported"):
+        commlab.reduce_scatter(torch.empty(1, dtype=torch.bool), torch.ones(1, dtype=torch.bool))
+
+# For tests/test_families.py, whose docstring says what each of these is for.
+assert_sweep = cases.assert_none_failed
+COLLECTIVE = "reduce_scatter"
+REFUSAL = (wrong_input, "needs world size 3")
+FAULTS = cases.first_two_quick(("rh", "sigkill"), ("shm", "sigint"), ("ring", "sigint"), ("direct", "exception"),
+    ("builtin", "sigkill"), ("ring", "error-in-call"), ("shm", "sigkill"))
+ACROSS_HOSTS, AUTO_ACROSS_HOSTS = ["auto", "hier", "rh"], ({"1x3": "ring", "1 host": "shm"}, "hier")
+UNKNOWN = lambda: commlab.reduce_scatter(torch.empty(1), torch.ones(1), algorithm="nope")  # noqa: E731
