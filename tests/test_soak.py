@@ -74,7 +74,7 @@ def soak(rank, p, algorithm, calls):
 # So does builtin, whose calls are gloo's behind the API every algorithm shares. ring soaks
 # that transport at its length; the other p2p algorithms add only their own steps on it,
 # at half of it (a mapping every 750 calls, 1.4 KB of RSS a call still show): the transport
-# is soaked once, not five times over (2 minutes of the suite on two cores).
+# is soaked once, not five times over.
 SHORT = {"ring": 4000, "builtin": 4000, "rhd": 2000, "rd": 2000, "direct": 2000, "ps": 2000, "ps_sharded": 2000}
 
 

@@ -291,7 +291,7 @@ def rank_main(args) -> None:
     for collective in todo:
         doc = run_bench(argparse.Namespace(**{**vars(args), "collective": collective}))
         if doc is not None:
-            if not getattr(args, "no_table", False):
+            if not args.no_table:
                 print(report(doc), flush=True)
             write_outputs(doc, args, collective if len(todo) > 1 else None)
     launch.leave()

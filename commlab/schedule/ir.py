@@ -106,7 +106,8 @@ class Schedule:
     max_bytes: int = 0
     root: int = 0  # broadcast only: MSCCL's XML has no root, a file serves one root
     extra: dict = field(default_factory=dict)  # <algo> attributes MSCCL ignores, kept for the round trip
-    # <algo> attributes the file lacked (msccl.COMPILER_OMITS), read as their defaults: a fact of the file, not the schedule
+    # <algo> attributes the file lacked (msccl.COMPILER_OMITS), read as their defaults: a fact
+    # of the file, not of the schedule
     absent: tuple = field(default=(), compare=False)
 
     @property

@@ -3,8 +3,9 @@
 there, but three that msccl-tools' compiler never writes (`outofplace`, `minBytes`,
 `maxBytes`: they came with the runtimes' size ranges), which a file may lack: read as
 msccl-tools meant them (out of place exactly where not `inplace`, its one flag; no size
-range: 0 and 0), named in `Schedule.absent`, and written on save. Attributes rccl ignores on <algo> (`redop`, `nthreadblocks`, …)
-are kept and written back, so a file commlab writes loads and saves to the same bytes."""
+range: 0 and 0), named in `Schedule.absent`, and written on save. Attributes rccl ignores
+on <algo> (`redop`, `nthreadblocks`, …) are kept and written back, so a file commlab
+writes loads and saves to the same bytes."""
 from __future__ import annotations
 
 import os

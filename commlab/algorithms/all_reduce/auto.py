@@ -49,10 +49,9 @@ class Auto(Algorithm):
         rank decides alike (or fails alike). The gather is the group's, on its first
         call by auto: a plan of its own (AVG after SUM, another dtype) decides from it
         locally, so no rank reaches a set-up step its peers have passed."""
-        registry = algorithms
         forced = _forced()
         if forced:
-            return _Choice(self.name, ctx, fixed=registry.get(forced).name)
+            return _Choice(self.name, ctx, fixed=algorithms.get(forced).name)
         file = tuning.path()
         facts = _group_facts(ctx.info, file)
         if len({f["tuning"] for f in facts}) > 1:
@@ -61,7 +60,7 @@ class Auto(Algorithm):
                 ", ".join(f"rank {ctx.info.global_rank(r)}: {f['tuning']}" for r, f in enumerate(facts)))
         hosts = len({f["host"] for f in facts})
         if file:
-            table = tuning.load(file, device_type, ctx.info.size, hosts, registry.names())
+            table = tuning.load(file, device_type, ctx.info.size, hosts, algorithms.names())
             if table is not None:
                 return _Choice(self.name, ctx, table=table)
         per_host = [len(m) for m in by_host([f["host"] for f in facts])]

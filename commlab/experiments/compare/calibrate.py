@@ -260,10 +260,11 @@ def host_bench(world: int, collective: str, names: list[str]) -> dict:
                 "-e", hi, "-f", "4", "--anchors", "none", "--budget", os.environ.get("COMMLAB_BENCH_BUDGET", "0.1"),
                 "--rounds", "1", "--quiet", "--no-table", "--json", out,
                 "--no-floors"]  # the fit reads the rows only: the floors were 2.2 s of an 8 s bench
-        print(f"# predicting this-host: -m commlab.allreduce_bench {' '.join(argv)}", file=sys.stderr, flush=True)
+        command = f"-m commlab.allreduce_bench {' '.join(argv)}"
+        print(f"# predicting this-host: {command}", file=sys.stderr, flush=True)
         # Run from this process: its ranks fork from the server compare's modes started, where
         # a `python -m` of it started two fresh interpreters importing torch first.
         if bench.main(argv) != 0:
-            raise RuntimeError(f"this-host's bench failed (-m commlab.allreduce_bench {' '.join(argv)}): see above")
+            raise RuntimeError(f"this-host's bench failed ({command}): see above")
         with open(out) as f:
             return json.load(f)

@@ -276,4 +276,4 @@ def sharded_rank(rank: int, world: int, mode: str, args: dict) -> dict:
         params = torch.cat([t.reshape(-1).double() for t in full]).tolist()
     memory_mb = steps.peak_memory_mb(device, rss_before_model, args)
     return steps.RankResult(slowest, mean_loss, memory_mb, util, total, exposed, per_step, traced, params=params,
-                      **tensors)
+                            **tensors)
