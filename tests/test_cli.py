@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import commlab
+from commlab.core.units import format_bytes, parse_bytes
 from commlab.measure import costmodel, probes
-from commlab.measure.units import format_bytes, parse_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

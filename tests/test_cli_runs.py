@@ -10,7 +10,7 @@ import ahead
 import pytest
 
 import commlab
-from commlab.measure.units import format_bytes
+from commlab.core.units import format_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_KEYS = {"algorithm", "bytes", "count", "dtype", "op", "time_us", "algbw_gbps", "busbw_gbps", "wrong",

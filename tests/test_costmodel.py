@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import commlab
+from commlab.core.units import parse_duration_us, parse_rate_gbps
 from commlab.measure import twolevel
-from commlab.measure.units import parse_duration_us, parse_rate_gbps
 from tests.test_cli import ROOT, _run
 
 BETA = {"shm": 1 / 8e3, "host": 1 / 2e3, "link": 1 / 125.0}  # µs/B: 8, 2, 0.125 GB/s

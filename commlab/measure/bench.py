@@ -27,13 +27,13 @@ from commlab import algorithms
 from commlab.algorithms import tuning
 from commlab.core import groups
 from commlab.core.reduction import Op, parse_op
+from commlab.core.units import format_bytes, parse_bytes
 from commlab.measure import clocks, envinfo, launch, pools, probes, trace
 from commlab.measure.plots import plot_bench
 from commlab.measure.rows import anchor_rows, registry_rows
 from commlab.measure.specs import SPECS, check_input, check_op
 from commlab.measure.table import FLOOR_MIN_BYTES, SMALL_FLOOR_SIZES, report
 from commlab.measure.timing import Interleaved, round_order
-from commlab.measure.units import format_bytes, parse_bytes
 from commlab.transports.setup import by_host, gather, host_id
 
 # --trace keeps this many calls of each row's round per rank: enough to see a slow phase

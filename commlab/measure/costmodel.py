@@ -28,6 +28,13 @@ import numpy as np
 
 from commlab import algorithms
 from commlab.core.errors import UnsupportedError
+from commlab.core.units import (
+    approx_bytes,
+    format_bytes,
+    parse_bytes,
+    parse_duration_us,
+    parse_rate_gbps,
+)
 from commlab.measure.twolevel import (
     TwoLevel,
     fit_levels,
@@ -36,13 +43,6 @@ from commlab.measure.twolevel import (
     parse_topology,
     ranges,
     winners,
-)
-from commlab.measure.units import (
-    approx_bytes,
-    format_bytes,
-    parse_bytes,
-    parse_duration_us,
-    parse_rate_gbps,
 )
 
 

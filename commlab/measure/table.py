@@ -3,9 +3,9 @@ each row is held to above 1 MiB, the small-message floor, and the tuning it used
 from __future__ import annotations
 
 from commlab import algorithms
+from commlab.core.units import format_bytes
 from commlab.measure import costmodel, envinfo, probes
 from commlab.measure.specs import SPECS
-from commlab.measure.units import format_bytes
 
 
 def describe_tuning(ranges: list[dict]) -> str:
