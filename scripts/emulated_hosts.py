@@ -6,6 +6,9 @@ all-reduce bench run by torchrun --nnodes H inside them. Needs root.
     python scripts/emulated_hosts.py --hosts 2 --ranks 2 --rate 1gbit -- \\
         --algorithms builtin,ring,rhd,hier -b 16M -e 64M -f 2 --anchors none --blocking
 
+Unequal hosts, each link its own rate: `--ranks 2,2,1 --rate 1gbit,1gbit,200mbit` (the
+host count is then the list's length; commlab.schedule synthesize takes the same lists).
+
 Everything after `--` goes to `python -m commlab.allreduce_bench`; rank 0's report is
 printed. The namespaces are removed on exit.
 """
@@ -31,8 +34,9 @@ def tc(*args):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, default=2)
-    ap.add_argument("--ranks", type=int, default=2, help="ranks per host")
-    ap.add_argument("--rate", default="1gbit", help="tc rate of each host link, each direction (none: unshaped)")
+    ap.add_argument("--ranks", default="2", help="ranks per host: one count for all, or one per host (2,2,1)")
+    ap.add_argument("--rate", default="1gbit",
+                    help="tc rate of each host link, each direction: one for all, or one per host (none: unshaped)")
     ap.add_argument("--queue", default="10ms",
                     help="tbf latency: how long a packet may queue (long queues delay the other direction's ACKs)")
     ap.add_argument("--port", type=int, default=29640)
@@ -40,6 +44,13 @@ def main() -> int:
     ap.add_argument("bench", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     bench = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
+    counts, rates = args.ranks.split(","), args.rate.split(",")
+    if len(counts) > 1:
+        args.hosts = len(counts)
+    counts = [int(c) for c in (counts * args.hosts if len(counts) == 1 else counts)]
+    rates = rates * args.hosts if len(rates) == 1 else rates
+    if len(rates) != args.hosts or min(counts) < 1:
+        ap.error(f"--ranks and --rate name {len(counts)} and {len(rates)} hosts; --hosts is {args.hosts}")
     tag = secrets.token_hex(2)
     hub = f"clhub{tag}"
     ns = [f"clh{i}{tag}" for i in range(args.hosts)]
@@ -63,9 +74,9 @@ def main() -> int:
             ip("-n", n, "link", "set", "lo", "up")
             ip("-n", hub, "link", "set", b, "master", "br0")
             ip("-n", hub, "link", "set", b, "up")
-            if args.rate != "none":  # the host's uplink (its egress) and downlink (the hub's egress to it)
+            if rates[i] != "none":  # the host's uplink (its egress) and downlink (the hub's egress to it)
                 for where, dev in ((n, a), (hub, b)):
-                    tc("-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", args.rate, "burst", "256kb",
+                    tc("-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rates[i], "burst", "256kb",
                        "latency", args.queue)
         procs = []
         for i, n in enumerate(ns):
@@ -73,7 +84,7 @@ def main() -> int:
             env.pop("MASTER_ADDR", None)
             env.pop("MASTER_PORT", None)
             cmd = ["ip", "netns", "exec", n, sys.executable, "-m", "torch.distributed.run", "--nnodes",
-                   str(args.hosts), "--nproc_per_node", str(args.ranks), "--node_rank", str(i), "--master_addr",
+                   str(args.hosts), "--nproc_per_node", str(counts[i]), "--node_rank", str(i), "--master_addr",
                    "198.51.100.1", "--master_port", str(args.port), "-m", "commlab.allreduce_bench", "--quiet",
                    *bench]
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -84,7 +95,11 @@ def main() -> int:
             rc = rc or p.returncode
             if i == 0 or p.returncode:
                 print("\n".join(line for line in out.splitlines() if not line.startswith(("W1", "[W"))))
-        print(f"# emulated: {args.hosts} hosts x {args.ranks} ranks, each host link {args.rate} each way (tc tbf)")
+        if len(set(counts)) == 1 and len(set(rates)) == 1:
+            print(f"# emulated: {args.hosts} hosts x {counts[0]} ranks, each host link {rates[0]} each way (tc tbf)")
+        else:
+            print(f"# emulated: hosts of {','.join(map(str, counts))} ranks, host links {','.join(rates)} each way "
+                  "(tc tbf)")
         return rc
     finally:
         for n in made:

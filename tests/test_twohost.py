@@ -178,6 +178,31 @@ def test_emulated_hosts_script_runs_the_bench_over_shaped_links():
     assert _ip("netns", "list").stdout == before
 
 
+def test_emulated_hosts_of_unequal_ranks_and_links(tmp_path):
+    """scripts/emulated_hosts.py --ranks 2,1 --rate 1gbit,200mbit: hosts of their own rank
+    counts (torchrun's nodes of unequal sizes, ranks host by host) on links of their own
+    rates, as commlab.schedule synthesize describes them; a synthesized schedule runs there."""
+    if os.environ.get("COMMLAB_TWOHOST") == "0":
+        pytest.skip("COMMLAB_TWOHOST=0")
+    if os.geteuid() != 0 or _ip("netns", "list", check=False).returncode != 0:
+        pytest.skip("network namespaces need root")
+    from commlab import schedule as S
+    from commlab.schedule import synthesize as Y
+    from commlab.schedule.topology import Topology
+
+    path = tmp_path / "ar.xml"
+    S.save(Y.all_reduce(Topology.parse("2,1", "1gbit,200mbit"), rounds=2)[0], path)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "emulated_hosts.py"), "--ranks", "2,1",
+                           "--rate", "1gbit,200mbit", "--port", "29618", "--", "--algorithms", f"ring,msccl:{path}",
+                           "-b", "64K", "-e", "64K", "--anchors", "none", "-n", "3", "-w", "1", "--rounds", "1",
+                           "--no-floors"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if " float32 " in line]
+    assert len(rows) == 2 and all(r[9] == "0" for r in rows), proc.stdout[-3000:]
+    assert "# ranks_per_host: [2, 1]" in proc.stdout
+    assert "# emulated: hosts of 2,1 ranks, host links 1gbit,200mbit each way" in proc.stdout
+
+
 def test_the_bench_traces_ranks_on_two_hosts_on_rank_0s_clock(tmp_path):
     """--trace across hosts (refused before: the hosts' clocks were not aligned): each rank
     measures its offset from rank 0's clock through the store and its calls enter the

@@ -23,6 +23,8 @@ import os
 
 from commlab.core.errors import UnsupportedError
 
+from .registry import MAKERS
+
 FORMAT = 1
 ENV = "COMMLAB_TUNING"
 
@@ -44,6 +46,12 @@ def path() -> str:
     return os.environ.get(ENV, "")
 
 
+def _known(name, known: list[str]) -> bool:
+    """A registered algorithm other than auto, or a file a maker reads (msccl:PATH: a
+    schedule synthesized for this layout, picked for the sizes it was made for)."""
+    return isinstance(name, str) and name != "auto" and (name in known or name.partition(":")[0] in MAKERS)
+
+
 def load(file: str, device: str, world_size: int, hosts: int, known: list[str]) -> Table | None:
     """The table for this layout from `file`, None when the file has no entry for it.
     A file that cannot be read, or names an algorithm that is not registered, raises."""
@@ -58,13 +66,14 @@ def load(file: str, device: str, world_size: int, hosts: int, known: list[str]) 
         if (entry.get("device"), entry.get("world_size"), entry.get("hosts")) != (device, world_size, hosts):
             continue
         ranges = entry.get("ranges") or []
-        bad = [r.get("algorithm") for r in ranges if r.get("algorithm") not in known or r.get("algorithm") == "auto"]
+        bad = [r.get("algorithm") for r in ranges if not _known(r.get("algorithm"), known)]
         bounds = [r.get("max_bytes") for r in ranges]
         if bad or not ranges or bounds[-1] is not None or any(not isinstance(b, int) for b in bounds[:-1]) \
                 or bounds[:-1] != sorted(set(bounds[:-1])):
             raise UnsupportedError(
                 f"commlab[auto]: {file}: the {device} entry for {world_size} ranks on {hosts} host(s) is malformed "
-                f"(algorithms must be registered and not auto: {bad or 'ok'}; max_bytes must increase and the last "
+                f"(algorithms must be registered or msccl:PATH, and not auto: {bad or 'ok'}; max_bytes must increase "
+                "and the last "
                 "be null)")
         return Table(ranges, f"{file} ({device}, {world_size} ranks, {hosts} host(s))")
     return None

@@ -1,11 +1,14 @@
-"""python -m commlab.schedule check FILE | export ALGORITHM --collective C --ranks P -o FILE
+"""python -m commlab.schedule check FILE | export ALGORITHM --collective C --ranks P -o FILE |
+synthesize --collective C --topology 2,2,1 --inter 1gbit,1gbit,200mbit:50us --size 16M -o FILE
 
 check: prove an MSCCL XML schedule before it runs; exit 0 valid, 1 a violation (named by
 rank, threadblock and step), 2 not a schedule commlab can read. With --bytes, price it:
 its derived α-β-γ terms at that size, under the cost model's default constants unless
 given (--alpha-us, --gbps, --gamma-gbps).
 export: write one of commlab's algorithms as MSCCL XML (those that are fixed schedules);
---unfused for runtimes without MSCCL's fused steps (RCCL's build)."""
+--unfused for runtimes without MSCCL's fused steps (RCCL's build).
+synthesize: the schedule for a topology of hosts (schedule/synthesize.py), checked,
+with its predicted time, the topology's lower bound and every candidate's time."""
 from __future__ import annotations
 
 import argparse
@@ -13,16 +16,13 @@ import sys
 
 from commlab.algorithms import registry
 from commlab.core.errors import UnsupportedError
+from commlab.core.units import parse_bytes
 
 from .check import ScheduleError, check
 from .lower import unfused
 from .msccl import ScheduleFormatError, load, save
-
-
-def _size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper().rstrip("B")
-    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+from .synthesize import synthesize
+from .topology import Topology
 
 
 def _check(args) -> int:
@@ -43,7 +43,7 @@ def _check(args) -> int:
     for line in summary.lines():
         print(f"  {line}")
     if args.bytes is not None:
-        n = _size(args.bytes)
+        n = parse_bytes(args.bytes)
         chunk = n / summary.chunks
         a, b, g = args.alpha_us * 1e-6, 1 / (args.gbps * 1e9 / 8), 1 / (args.gamma_gbps * 1e9 / 8)
         t = summary.hops * a + summary.sent * chunk * b + summary.reduced * chunk * g
@@ -71,6 +71,36 @@ def _export(args) -> int:
     return 0
 
 
+def _fixed(collective: str, p: int) -> dict:
+    """The family's algorithms that are fixed schedules on p ranks, by name."""
+    reg = registry(collective)
+    out = {}
+    for name in reg.names():
+        try:
+            s = reg.get(name).schedule(p)
+        except (UnsupportedError, ValueError, NotImplementedError):
+            continue
+        if s is not None:
+            out[name] = s
+    return out
+
+
+def _synthesize(args) -> int:
+    try:
+        topo = Topology.parse(args.topology, args.inter, args.intra, args.step_us)
+        n = parse_bytes(args.size)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    result = synthesize(args.collective, topo, n, _fixed(args.collective, topo.size))
+    save(result.schedule, args.output)
+    print(f"{args.collective} on {topo.size} ranks at {args.size}: {topo.describe()}")
+    for line in result.lines():
+        print(line)
+    print(f"wrote {args.output} (proved: {', '.join(result.summary.modes)})")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m commlab.schedule", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -89,6 +119,18 @@ def main(argv=None) -> int:
     e.add_argument("--unfused", action="store_true",
                    help="no fused steps (rcs, rrs, rrc, rrcs): what RCCL's build runs (receives land in scratch)")
     e.set_defaults(run=_export)
+    y = sub.add_parser("synthesize", help="the schedule for a topology of hosts, proved and priced")
+    y.add_argument("--collective", default="all_reduce", choices=["all_reduce", "all_gather", "reduce_scatter",
+                                                                  "all_to_all"])
+    y.add_argument("--topology", required=True, help="ranks per host, host by host: 2,2,1")
+    y.add_argument("--inter", default="1gbit:50us",
+                   help="each host's link, RATE[:LATENCY]: one for all, or one per host (1gbit,1gbit,200mbit:50us)")
+    y.add_argument("--intra", default="10gbit:50us", help="point-to-point inside a host, RATE[:LATENCY] per message")
+    y.add_argument("--step-us", type=float, default=500.0,
+                   help="what a step costs a rank beyond its bytes (500: the point-to-point executor, 5 ranks on 2 cores)")
+    y.add_argument("--size", default="16M", help="the call's larger buffer (all-gather's output): 1M, 16M, ...")
+    y.add_argument("-o", "--output", required=True)
+    y.set_defaults(run=_synthesize)
     args = ap.parse_args(argv)
     return args.run(args)
 
