@@ -126,8 +126,8 @@ def main(argv=None) -> int:
     y.add_argument("--inter", default="1gbit:50us",
                    help="each host's link, RATE[:LATENCY]: one for all, or one per host (1gbit,1gbit,200mbit:50us)")
     y.add_argument("--intra", default="10gbit:50us", help="point-to-point inside a host, RATE[:LATENCY] per message")
-    y.add_argument("--step-us", type=float, default=500.0,
-                   help="what a step costs a rank beyond its bytes (500: the point-to-point executor, 5 ranks on 2 cores)")
+    y.add_argument("--step-us", type=float, default=250.0,
+                   help="what a step costs a rank beyond its bytes (250: the point-to-point executor, 5 ranks on 2 cores)")
     y.add_argument("--size", default="16M", help="the call's larger buffer (all-gather's output): 1M, 16M, ...")
     y.add_argument("-o", "--output", required=True)
     y.set_defaults(run=_synthesize)

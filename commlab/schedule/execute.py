@@ -110,29 +110,35 @@ class Program:
                 posted.wait_recv(got_n)
                 got = landing[got_n]
                 got_n += 1
-            src = chunks(st.srcbuf, st.srcoff, st.cnt) if kind.reads_src else None
+            # Chunks that lie back to back are one view, and one call moves or folds them
+            # all: a step of many chunks costs what a step of one does.
+            span = whole(st.srcbuf, st.srcoff, st.cnt) if kind.reads_src else None
+            src = [span] if span is not None else chunks(st.srcbuf, st.srcoff, st.cnt) if kind.reads_src else None
+            dst = None
+            if kind.writes_dst:
+                d = whole(st.dstbuf, st.dstoff, st.cnt)
+                dst = [d] if d is not None else chunks(st.dstbuf, st.dstoff, st.cnt)
             if st.type == "re":
-                for d, x in zip(chunks(st.dstbuf, st.dstoff, st.cnt), src):
+                for d, x in _pieces(dst, src):
                     combine_into(d, x, d, op)  # the runtime's order: src (op) dst
                 continue
             if kind.reduces:  # received (op) local, as the runtime folds
                 if not kind.sends:  # rrc: straight into dst
-                    for x, (mine, d) in enumerate(zip(src, chunks(st.dstbuf, st.dstoff, st.cnt))):
-                        combine_into(d, got[x * elems:(x + 1) * elems], mine, op)
+                    for (d, mine), part in zip(_pieces(dst, src), _slices(got, dst, src)):
+                        combine_into(d, part, mine, op)
                     continue
-                for x, mine in enumerate(src):
-                    part = got[x * elems:(x + 1) * elems]
+                for mine, part in zip(src, _slices(got, src)):
                     combine_into(part, part, mine, op)
             if kind.writes_dst:
-                for x, d in enumerate(chunks(st.dstbuf, st.dstoff, st.cnt)):
-                    piece = got[x * elems:(x + 1) * elems] if got is not None else src[x]
+                pairs = zip(dst, _slices(got, dst)) if got is not None else _pieces(dst, src)
+                for d, piece in pairs:
                     if piece.data_ptr() != d.data_ptr():
                         d.copy_(piece)
             if kind.sends:
                 if got is not None:
                     payload = got
                 else:
-                    payload = whole(st.srcbuf, st.srcoff, st.cnt)
+                    payload = span
                     if payload is None:
                         payload = torch.cat(src)
                     elif self.copy_send[n]:
@@ -141,6 +147,25 @@ class Program:
         for step in sends:
             step.wait_all()
         posted.wait_all()
+
+
+def _pieces(a: list, b: list):
+    """(a piece, b piece) pairs over the same elements: whole spans, or chunk by chunk
+    where either side is split (a span is then cut into chunk views)."""
+    if len(a) == len(b):
+        return zip(a, b)
+    n = max(len(a), len(b))
+    return zip(_cut(a, n), _cut(b, n))
+
+
+def _cut(views: list, n: int) -> list:
+    return views if len(views) == n else list(views[0].chunk(n))
+
+
+def _slices(got, *sides):
+    """The received buffer cut as the finest of `sides` is."""
+    n = max(len(x) for x in sides)
+    return [got] if n == 1 else list(got.chunk(n))
 
 
 class Runner:

@@ -43,11 +43,11 @@ class Topology:
     links: tuple[Link, ...]  # each host's link to the switch
     intra: Link  # a message between ranks of one host
     memory: float = 5e9  # bytes per second a rank copies or folds a received chunk at
-    step: float = 500e-6  # seconds of a rank's time per step: the executor's own work, ranks sharing cores
+    step: float = 250e-6  # seconds of a rank's time per step: the executor's own work, ranks sharing cores
 
     @classmethod
     def parse(cls, hosts: str, inter: str = "1gbit:50us", intra: str = "10gbit:50us",
-              step_us: float = 500.0) -> "Topology":
+              step_us: float = 250.0) -> "Topology":
         """hosts: ranks per host ("2,2,1"); inter: one RATE[:LATENCY] for every host link
         or one per host ("1gbit,1gbit,200mbit:50us": a latency given once is every
         link's); intra: the level inside a host; step_us: what a step costs a rank
