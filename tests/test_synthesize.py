@@ -3,9 +3,11 @@ proved by the checker, timed by the simulator against the topology's lower bound
 exact on CPU ranks like any schedule."""
 import pytest
 from test_schedule import published_run
+from test_tuning import tuned_auto
 
 from commlab import schedule as S
-from commlab.algorithms import registry
+from commlab.algorithms import registry, tuning
+from commlab.algorithms.scheduled import AllReduceScheduled
 from commlab.schedule import synthesize as Y
 from commlab.schedule.topology import Topology, lower_bound, simulate
 
@@ -95,42 +97,11 @@ def test_synthesized_schedules_give_exact_results_on_cpu_ranks(ranks, tmp_path):
     assert not failures, failures[:5]
 
 
-def tuned_to_a_schedule(rank, p, file):
-    """auto with a tuning file that names a synthesized schedule above 1000 bytes: which
-    ran is counted on the schedule's class."""
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    import commlab
-    from commlab.algorithms.scheduled import AllReduceScheduled
-
-    runs = []
-    original = AllReduceScheduled.run
-    AllReduceScheduled.run = lambda self, buf, op, ctx: (runs.append(self.name), original(self, buf, op, ctx))
-    os.environ["COMMLAB_TUNING"] = file
-    try:
-        group = dist.new_group()  # a fresh plan reads the file
-        out = {}
-        for n in (10, 5000):
-            t = torch.arange(float(n)) + rank
-            commlab.all_reduce(t, group=group, algorithm="auto")
-            out[n] = (runs.pop() if runs else "other", torch.equal(t, p * torch.arange(float(n)) + sum(range(p))))
-        dist.destroy_process_group(group)
-        return out
-    finally:
-        AllReduceScheduled.run = original
-        del os.environ["COMMLAB_TUNING"]
-
-
 def test_auto_picks_a_synthesized_schedule_where_a_tuning_file_names_it(ranks, tmp_path):
-    from commlab.algorithms import tuning
-
     path = tmp_path / "synth.xml"
     S.save(Y.all_reduce(Topology.parse("1,1", "1gbit"), rounds=2)[0], path)
     f = tmp_path / "t.json"
     tuning.write(str(f), "cpu", 2, 1, [{"max_bytes": 1000, "algorithm": "ring"},
                                        {"max_bytes": None, "algorithm": f"msccl:{path}"}], {"command": "test"})
-    for got in ranks.run(2, tuned_to_a_schedule, str(f)):
-        assert got == {10: ("other", True), 5000: (f"auto->msccl:{path}", True)}, got
+    for got in ranks.run(2, tuned_auto, str(f), AllReduceScheduled, (10, 5000)):
+        assert got == {10: ("another", True), 5000: (f"auto->msccl:{path}", True)}, got

@@ -56,27 +56,28 @@ def test_a_malformed_or_foreign_file_is_a_clear_error_and_other_layouts_are_igno
         tuning.load(str(f), "cpu", 2, 1, known)
 
 
-def tuned_auto(rank, p, file):
-    """auto with a table: ring up to 1000 bytes, shm above; which ran is counted on ring's
-    class (shm's own call counter also counts the call agreement, which uses shared memory)."""
-    ring = type(commlab.algorithms.get("ring"))
+def tuned_auto(rank, p, file, counted=None, sizes=(10, 250, 251, 5000)):
+    """auto with a table, one call per size: which ran is named by the runs of the class
+    `counted` (ring's by default: shm's own call counter also counts the call agreement,
+    which uses shared memory), "another" where it did not run."""
+    cls = counted or type(commlab.algorithms.get("ring"))
     runs = []
-    original = ring.run
-    ring.run = lambda self, buf, op, ctx: (runs.append(buf.numel()), original(self, buf, op, ctx))
+    original = cls.run
+    cls.run = lambda self, *args: (runs.append(self.name), original(self, *args))
     os.environ["COMMLAB_TUNING"] = file
     try:
         group = dist.new_group()  # a fresh plan reads the file
         out = {}
-        for n in (10, 250, 251, 5000):  # 250 float32 = 1000 bytes
+        for n in sizes:  # 250 float32 = 1000 bytes
             before = len(runs)
             t = torch.arange(float(n)) + rank
             commlab.all_reduce(t, group=group, algorithm="auto")
-            out[n] = ("other" if len(runs) > before else "shm",
+            out[n] = (runs[-1] if len(runs) > before else "another",
                       torch.equal(t, p * torch.arange(float(n)) + sum(range(p))))
         dist.destroy_process_group(group)
         return out
     finally:
-        ring.run = original
+        cls.run = original
         del os.environ["COMMLAB_TUNING"]
 
 
@@ -85,7 +86,8 @@ def test_auto_follows_the_tuning_file_per_message_size(ranks, tmp_path):
     tuning.write(str(f), "cpu", 2, 1, [{"max_bytes": 1000, "algorithm": "ring"},
                                        {"max_bytes": None, "algorithm": "shm"}], {"command": "test"})
     for got in ranks.run(2, tuned_auto, str(f)):
-        assert got == {10: ("other", True), 250: ("other", True), 251: ("shm", True), 5000: ("shm", True)}, got
+        assert got == {10: ("auto->ring", True), 250: ("auto->ring", True), 251: ("another", True),
+                       5000: ("another", True)}, got
 
 
 def different_files(rank, p, folder):
