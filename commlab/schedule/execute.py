@@ -52,17 +52,19 @@ class Program:
         self.steps = [(blocks[b], blocks[b].steps[k]) for r, b, k in order if r == rank]
         self.alias = alias(s, rank, inplace)
         self.s_chunks = s.ranks[rank].s_chunks
-        # A send whose chunks a later step of this rank rewrites sends a copy (a posted
-        # send reads its memory until it completes, at the end of the call).
-        last_write = {}
+        # A send whose chunks a later step of this rank rewrites is waited for before that
+        # step (a posted send reads its memory until it completes; every receive is posted
+        # at its rank's call start, so waiting for a send needs nothing more of its peer).
+        writes = [set() for _ in self.steps]
         for n, (b, st) in enumerate(self.steps):
             if st.kind.writes_dst:
-                for x in range(st.cnt):
-                    last_write[self.alias(st.dstbuf, st.dstoff + x)] = n
-        self.writes_input = any(k[0] == "i" for k in last_write)
-        self.copy_send = [st.type == "s" and any(last_write.get(self.alias(st.srcbuf, st.srcoff + x), -1) > n
-                                                 for x in range(st.cnt))
-                          for n, (b, st) in enumerate(self.steps)]
+                writes[n] = {self.alias(st.dstbuf, st.dstoff + x) for x in range(st.cnt)}
+        self.writes_input = any(k[0] == "i" for w in writes for k in w)
+        self.rewrites = [None] * len(self.steps)  # send n -> the first later step that writes its chunks
+        for n, (b, st) in enumerate(self.steps):
+            if st.type == "s":
+                mine = {self.alias(st.srcbuf, st.srcoff + x) for x in range(st.cnt)}
+                self.rewrites[n] = next((m for m in range(n + 1, len(self.steps)) if writes[m] & mine), None)
         self.receives = [(b, st) for b, st in self.steps if st.kind.receives]
         # A plain receive whose chunks no earlier step of this rank touches lands in place:
         # posted at the call's start, it may land any time before its step.
@@ -100,11 +102,14 @@ class Program:
                            torch.empty(st.cnt * elems, dtype=some.dtype, device=some.device))
         posted = p2p.post([], [(t, peer(b.recv), b.chan) for t, (b, _) in zip(landing, self.receives)])
         sends, got_n = [], 0
+        held: dict = {}  # step -> sends reading what it writes
 
         for n, (b, st) in enumerate(self.steps):
             kind = st.kind
             if st.type == "nop":
                 continue
+            for work in held.pop(n, ()):
+                work.wait_all()
             got = None
             if kind.receives:
                 posted.wait_recv(got_n)
@@ -138,12 +143,10 @@ class Program:
                 if got is not None:
                     payload = got
                 else:
-                    payload = span
-                    if payload is None:
-                        payload = torch.cat(src)
-                    elif self.copy_send[n]:
-                        payload = payload.clone()
+                    payload = span if span is not None else torch.cat(src)
                 sends.append(p2p.post([(payload, peer(b.send), b.chan)], []))
+                if self.rewrites[n] is not None and payload is span:
+                    held.setdefault(self.rewrites[n], []).append(sends[-1])
         for step in sends:
             step.wait_all()
         posted.wait_all()
