@@ -2,9 +2,11 @@
 
 The checker's run gives one valid global order of every step; each rank runs its own
 steps in that order. Every receive is posted at the start (a channel is a tag, and
-messages of one tag pair in order), a send is posted when its step runs and never
-waited for before the end: a rank that blocks only on receives, in an order consistent
-with one where every receive follows its send, cannot deadlock.
+messages of one tag pair in order), a send is posted when its step runs and waited for
+only before a step that rewrites what it reads (its receive is already posted: the wait
+needs nothing of the peer but its call begun): a rank that otherwise blocks only on
+receives, in an order consistent with one where every receive follows its send, cannot
+deadlock.
 
 Sizes: a block of n elements (the whole buffer for all-reduce and broadcast, one rank's
 block otherwise) is `per_rank` chunks of n // per_rank elements; the n % per_rank left
