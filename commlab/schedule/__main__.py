@@ -21,7 +21,7 @@ from commlab.core.units import parse_bytes
 from .check import ScheduleError, check
 from .lower import unfused
 from .msccl import ScheduleFormatError, load, save
-from .synthesize import synthesize
+from .synthesize import SKETCHES, synthesize
 from .topology import Topology
 
 
@@ -120,8 +120,7 @@ def main(argv=None) -> int:
                    help="no fused steps (rcs, rrs, rrc, rrcs): what RCCL's build runs (receives land in scratch)")
     e.set_defaults(run=_export)
     y = sub.add_parser("synthesize", help="the schedule for a topology of hosts, proved and priced")
-    y.add_argument("--collective", default="all_reduce", choices=["all_reduce", "all_gather", "reduce_scatter",
-                                                                  "all_to_all"])
+    y.add_argument("--collective", default="all_reduce", choices=list(SKETCHES))
     y.add_argument("--topology", required=True, help="ranks per host, host by host: 2,2,1")
     y.add_argument("--inter", default="1gbit:50us",
                    help="each host's link, RATE[:LATENCY]: one for all, or one per host (1gbit,1gbit,200mbit:50us)")

@@ -95,18 +95,21 @@ def simulate(s: Schedule, summary: Summary, topo: Topology, nbytes: float) -> fl
     """The schedule's time in seconds on `topo` for a call of `nbytes` (the caller's
     larger buffer: all-gather's output, reduce-scatter's input), by events: a rank runs
     its steps in the checker's order, each costing it `step` (a send leaves then, a
-    receive waits for its message, then copies or folds it); messages between hosts share each link they
-    cross max-min fairly (as TCP flows do), those of one pair of ranks one after another
-    (one connection); one inside a host costs its level's step and rate."""
+    receive waits for its message, then copies or folds it); messages between hosts
+    share each link they cross max-min fairly (as TCP flows do), those of one pair of
+    ranks one after another (one connection); one inside a host costs its level's
+    latency and rate."""
     if topo.size != s.size:
         raise ValueError(f"a schedule for {s.size} ranks on a topology of {topo.size}")
     chunk = chunk_bytes(s, nbytes)
     host = [topo.host_of(r) for r in range(s.size)]
     blocks = [{b.id: b for b in r.blocks} for r in s.ranks]
-    programs = [[] for _ in range(s.size)]  # per rank: ("recv"|"send"|"local", key or peer, bytes)
+    programs = [[] for _ in range(s.size)]  # per rank: ("step"|"recv"|"send"|"local", connection, bytes)
     for r, bid, k in dict(summary.order)[s.modes()[0]]:
         b = blocks[r][bid]
         st = b.steps[k]
+        if st.type == "nop":
+            continue
         size = st.cnt * chunk
         programs[r].append(("step", None, 0.0))  # the executor's own work for the step
         if st.kind.receives:
@@ -119,7 +122,7 @@ def simulate(s: Schedule, summary: Summary, topo: Topology, nbytes: float) -> fl
         {("down", h): lk.rate for h, lk in enumerate(topo.links)}
     pc, busy = [0] * s.size, [0.0] * s.size
     queues: dict = defaultdict(deque)  # key -> messages in order: [arrival time or None]
-    flows: list = []  # [remaining bytes, links, message, latency]
+    flows: list = []  # [remaining bytes, links, message, latency, (sender, receiver)]
     timed: list = []  # (time, flow): flows about to start
     waiting: dict = defaultdict(deque)  # (sender, receiver) -> its flows, the first one moving
     t = 0.0
