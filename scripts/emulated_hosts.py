@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import subprocess
 import sys
 
@@ -54,7 +55,11 @@ def main() -> int:
     tag = secrets.token_hex(2)
     hub = f"clhub{tag}"
     ns = [f"clh{i}{tag}" for i in range(args.hosts)]
-    made = []
+    made, procs = [], []
+    # A SIGTERM or SIGHUP (a timeout, a closed terminal) unwinds as an exit does: the
+    # runs are stopped and the namespaces removed, not left behind with the hosts' addresses.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
     try:
         # A hub namespace with a bridge: every host's veth ends there, so host links are
         # separate (each shaped on its own) and any host reaches any other.
@@ -78,7 +83,6 @@ def main() -> int:
                 for where, dev in ((n, a), (hub, b)):
                     tc("-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rates[i], "burst", "256kb",
                        "latency", args.queue)
-        procs = []
         for i, n in enumerate(ns):
             env = dict(os.environ, GLOO_SOCKET_IFNAME=f"ch{i}{tag}", PYTHONUNBUFFERED="1")
             env.pop("MASTER_ADDR", None)
@@ -102,6 +106,13 @@ def main() -> int:
                   "(tc tbf)")
         return rc
     finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()  # torchrun stops its ranks
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
         for n in made:
             ip("netns", "del", n, check=False)
 

@@ -203,6 +203,53 @@ def test_emulated_hosts_of_unequal_ranks_and_links(tmp_path):
     assert "# emulated: hosts of 2,1 ranks, host links 1gbit,200mbit each way" in proc.stdout
 
 
+def test_emulated_hosts_stopped_by_sigterm_leave_no_namespace_or_rank_behind():
+    """A SIGTERM to scripts/emulated_hosts.py mid-run (a timeout, a killed job) stops its
+    ranks and removes its namespaces, as a normal exit does (before, both were left)."""
+    if os.environ.get("COMMLAB_TWOHOST") == "0":
+        pytest.skip("COMMLAB_TWOHOST=0")
+    if os.geteuid() != 0 or _ip("netns", "list", check=False).returncode != 0:
+        pytest.skip("network namespaces need root")
+    before = set(_ip("netns", "list").stdout.split())
+    # 64 MiB calls over 20 Mbit/s links: a run that is still going when the signal comes.
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "emulated_hosts.py"), "--hosts", "2",
+                             "--ranks", "1", "--rate", "20mbit", "--port", "29619", "--", "--algorithms", "ring",
+                             "-b", "64M", "-e", "64M", "--anchors", "none", "-n", "100", "--no-floors"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not _ranks_of(29619):
+            time.sleep(0.2)
+        assert _ranks_of(29619), "the bench's ranks never started"
+        assert set(_ip("netns", "list").stdout.split()) - before
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert set(_ip("netns", "list").stdout.split()) == before
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _ranks_of(29619):
+        time.sleep(0.2)
+    assert not _ranks_of(29619)
+
+
+def _ranks_of(port: int) -> list[str]:
+    """The bench's processes of this rendezvous port: torchrun (its flag) and its ranks (their environment)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"commlab.allreduce_bench" in cmd and (str(port).encode() in cmd or f"MASTER_PORT={port}".encode() in env):
+            found.append(pid)
+    return found
+
+
 def test_the_bench_traces_ranks_on_two_hosts_on_rank_0s_clock(tmp_path):
     """--trace across hosts (refused before: the hosts' clocks were not aligned): each rank
     measures its offset from rank 0's clock through the store and its calls enter the
