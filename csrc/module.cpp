@@ -129,6 +129,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "whether every peer's memory reads in one copy (process_vm_readv) from this rank")
       .def_property("single_copy_min", &commlab::ShmComm::single_copy_min, &commlab::ShmComm::set_single_copy_min)
       .def_property("single_copy_max", &commlab::ShmComm::single_copy_max, &commlab::ShmComm::set_single_copy_max)
+      .def_property("alltoall_single_copy_min", &commlab::ShmComm::alltoall_single_copy_min,
+                    &commlab::ShmComm::set_alltoall_single_copy_min)
       .def_property("piece_bytes", &commlab::ShmComm::piece_bytes, &commlab::ShmComm::set_piece_bytes)
       .def("abort", &commlab::ShmComm::abort, pybind11::arg("why"), pybind11::arg("mismatch") = false,
            "give up on this communicator: peers waiting on this rank fail at once with `why`")

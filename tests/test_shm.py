@@ -416,6 +416,56 @@ def test_single_copy_broadcast_is_right_at_every_size_and_root(ranks, lo, hi, pi
         assert res["piece"] == (int(piece) if piece else 0), res
 
 
+def single_copy_all_to_alls(rank, p, lo):
+    """All-to-alls on a group whose shm reads blocks of at least `lo` bytes out of its
+    peers' inputs (-1: never): every dtype right, with no block, small uneven ones, one
+    large block only its two ranks know of before the matrix of counts, and blocks of
+    several pieces; splits that disagree at that size fail every rank alike."""
+    saved = shm.ALLTOALL_SINGLE_COPY_MIN
+    shm.ALLTOALL_SINGLE_COPY_MIN = lo
+    g = dist.new_group(list(range(p)))
+    try:
+        wrong = []
+        for dtype in (torch.float32, torch.bfloat16, torch.uint8, torch.int64):
+            for case, rows in (
+                    ("none", [[0] * p for _ in range(p)]),
+                    ("small", [[(j * 7 + q * 3) % 5 for q in range(p)] for j in range(p)]),
+                    ("one large", [[2000 if (j, q) == (0, p - 1) else (j + q) % 3 for q in range(p)]
+                                   for j in range(p)]),
+                    ("pieces", [[(1 << 18) * ((j + q) % 3) + 5 for q in range(p)] for j in range(p)])):
+                inp = torch.cat([_pattern(rows[rank][q], dtype, rank * p + q) for q in range(p)])
+                want = torch.cat([_pattern(rows[j][rank], dtype, j * p + rank) for j in range(p)])
+                out = torch.full_like(want, 99)
+                commlab.all_to_all(out, inp, [rows[j][rank] for j in range(p)], rows[rank], group=g,
+                                   algorithm="shm")
+                if not torch.equal(out, want) or not torch.equal(
+                        inp, torch.cat([_pattern(rows[rank][q], dtype, rank * p + q) for q in range(p)])):
+                    wrong.append((str(dtype), case))
+        comm = shm.state_of(commlab.core.groups.resolve(g)).comm
+        got = comm.alltoall_single_copy_min
+        # Rank 1 expects 10 rows fewer from rank 0 than rank 0 sends it.
+        recv = [5000 - (10 if (rank, j) == (1, 0) else 0) for j in range(p)]
+        try:
+            commlab.all_to_all(torch.empty(sum(recv)), torch.zeros(5000 * p), recv, [5000] * p, group=g,
+                               algorithm="shm")
+            error = None
+        except commlab.CommlabError as e:
+            error = (type(e).__name__, "rank 0 sends 5000 elements to rank 1, which expects 4990" in str(e))
+        return {"wrong": wrong, "min": got, "error": error}
+    finally:
+        shm.ALLTOALL_SINGLE_COPY_MIN = saved
+        dist.barrier()
+        dist.destroy_process_group(g)
+
+
+@pytest.mark.parametrize("lo", [1024, 0, -1])
+def test_single_copy_all_to_all_is_right_and_agreed(ranks, lo):
+    for res in ranks.run(3, single_copy_all_to_alls, lo):
+        assert res["wrong"] == [], res
+        assert res["min"] == lo, res  # this machine lets ranks read each other: the path ran
+        assert res["error"] == ("CollectiveMismatchError", True), res
+
+
 def all_gathers_in_pieces(rank, p, piece):
     """All-gathers on a group whose shm moves `piece` bytes at a time: every size, dtype
     and slice right, including sizes that end mid-piece and pieces not a multiple of the

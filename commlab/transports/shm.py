@@ -52,6 +52,12 @@ YIELD_US = 2000
 # (docs/measurements.md#figures-behind-the-codes-choices; MIN -1: never; MAX 0: no upper bound).
 SINGLE_COPY_MIN = int(os.environ.get("COMMLAB_SHM_SINGLE_COPY_MIN", "-1"))
 SINGLE_COPY_MAX = int(os.environ.get("COMMLAB_SHM_SINGLE_COPY_MAX", "0"))
+# All-to-alls whose largest block between two ranks has at least this many bytes may go
+# in one copy where every rank may read its peers' memory: each rank reads its blocks out
+# of its peers' inputs (process_vm_readv), as the MPIs' cross-memory attach does. Off by
+# default: the segments, a rank's own block copied straight, were as fast or faster at
+# 2 and 4 ranks (docs/measurements.md#all-to-all; -1: never).
+ALLTOALL_SINGLE_COPY_MIN = int(os.environ.get("COMMLAB_SHM_ALLTOALL_SINGLE_COPY_MIN", "-1"))
 # Bytes per piece of a broadcast or all-gather through the segments, where every rank has
 # a core: a broadcast's root copies one in while the receivers copy the last out, and a
 # piece written by one core is read by the other from cache. Ranks that share cores keep
@@ -81,7 +87,8 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
     """Set the group's shared memory up (collective); a CommlabError leaves nothing behind."""
     C = ext.require()
     facts = gather(info, {"host": host_id(), "cpus": sorted(os.sched_getaffinity(0)), "capacity": CAPACITY,
-                          "oneshot_max": ONESHOT_MAX, "single_copy": (SINGLE_COPY_MIN, SINGLE_COPY_MAX),
+                          "oneshot_max": ONESHOT_MAX,
+                          "single_copy": (SINGLE_COPY_MIN, SINGLE_COPY_MAX, ALLTOALL_SINGLE_COPY_MIN),
                           "piece": os.environ.get("COMMLAB_SHM_PIECE", ""),
                           "sched_group": sched_group()})
     hosts = [f["host"] for f in facts]
@@ -95,7 +102,7 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
                                "serve it: " + ", ".join(f"{h}: ranks {rs}" for h, rs in by_host.items()))
     # Ranks configured differently would pair pieces of different sizes or modes.
     diff = differing(info, facts, {"COMMLAB_SHM_CAPACITY": "capacity", "COMMLAB_SHM_ONESHOT_MAX": "oneshot_max",
-                                   "COMMLAB_SHM_SINGLE_COPY_MIN/MAX": "single_copy",
+                                   "COMMLAB_SHM_(ALLTOALL_)SINGLE_COPY_MIN/MAX": "single_copy",
                                    "COMMLAB_SHM_PIECE": "piece"})
     if diff:
         raise CollectiveMismatchError(f"commlab[{algorithm}]: ranks configured shared memory differently: {diff}")
@@ -127,9 +134,11 @@ def _setup(entry: Entry, info: GroupInfo, algorithm: str) -> None:
         agree(info, "attaching peer segments", comm.attach)
         # One copy only where every rank can read every peer (a container's seccomp or
         # Yama's ptrace scope may refuse it): the ranks must all take the same path.
-        if SINGLE_COPY_MIN >= 0:  # agreed above: every rank asks, or none
+        if SINGLE_COPY_MIN >= 0 or ALLTOALL_SINGLE_COPY_MIN >= 0:  # agreed above: every rank asks, or none
             readable = gather(info, {"single_copy": comm.probe_single_copy()}, what="single-copy probe")
-            comm.single_copy_min = SINGLE_COPY_MIN if all(f["single_copy"] for f in readable) else -1
+            if all(f["single_copy"] for f in readable):
+                comm.single_copy_min = SINGLE_COPY_MIN
+                comm.alltoall_single_copy_min = ALLTOALL_SINGLE_COPY_MIN
         comm.single_copy_max = SINGLE_COPY_MAX
         comm.piece_bytes = _env_int("COMMLAB_SHM_PIECE", PIECE if own_cores else 0)
     except CommlabError:

@@ -339,10 +339,21 @@ void ShmComm::alltoall(const at::Tensor& out, const at::Tensor& in, const std::v
     return;
   }
   // A piece's buffer: every rank's byte counts (sent to, received from each peer), then
-  // one slot per destination holding the same stretch of each block.
+  // one slot per destination holding the same stretch of each block (a rank's own block
+  // goes straight from its input to its output, never through a segment).
   const int64_t head = ((2 * world_ * static_cast<int64_t>(sizeof(int64_t)) + 63) / 64) * 64;
   const int64_t slot = ((capacity_ - head) / world_ / 64) * 64;  // a multiple of every element size
   TORCH_CHECK(slot > 0, "commlab shm: capacity too small for all_to_all among ", world_, " ranks");
+  // One copy where blocks are large enough: each rank reads its blocks out of its peers'
+  // inputs. Every rank takes the same path, decided from the whole matrix of counts; a
+  // rank whose own blocks already reach the bound knows it before the matrix, and writes
+  // no data into the first piece.
+  int64_t own_biggest = 0;
+  for (int q = 0; q < world_; ++q) {
+    if (q != rank_) own_biggest = std::max({own_biggest, send[q] * elsize, recv[q] * elsize});
+  }
+  const bool may_single = alltoall_single_copy_min_ >= 0;
+  const bool surely_single = may_single && own_biggest >= alltoall_single_copy_min_;
   // The record carries no sizes (they differ by rank): the counts are checked as a whole below.
   const Call call{kAllToAll, 0, static_cast<int32_t>(in.scalar_type()), -1, -1, -1};
   guarded([&] {
@@ -357,13 +368,14 @@ void ShmComm::alltoall(const at::Tensor& out, const at::Tensor& in, const std::v
         counts[q] = send[q] * elsize;
         counts[world_ + q] = recv[q] * elsize;
         const int64_t n = std::min(slot, std::max<int64_t>(0, send[q] * elsize - done));
-        if (n > 0) std::memcpy(own + head + q * slot, src + soff[q] + done, n);
+        if (q != rank_ && n > 0 && !surely_single) std::memcpy(own + head + q * slot, src + soff[q] + done, n);
       }
+      if (index == 0) segs_[rank_]->ctl()->info[par].addr = reinterpret_cast<uint64_t>(src);
       begin(c, call, index, slot);
       if (index == 0) {
         // Every rank's counts before any byte lands: each rank checks the whole matrix in
         // the same order, so a disagreement is the same error on every rank.
-        int64_t biggest = 0;
+        int64_t biggest = 0;  // the largest block between two ranks
         for (int j = 0; j < world_; ++j) {
           if (j != rank_) await_checked(j, c, kWritten);
         }
@@ -378,14 +390,32 @@ void ShmComm::alltoall(const at::Tensor& out, const at::Tensor& in, const std::v
                   << ", which expects " << rq[j] / elsize << " from it";
               give_up(kMismatch, global_ranks_[j == rank_ ? q : j], msg.str());
             }
-            biggest = std::max(biggest, sj[q]);
+            if (q != j) biggest = std::max(biggest, sj[q]);
           }
+        }
+        if (send[rank_] > 0) std::memmove(dst + roff[rank_], src + soff[rank_], send[rank_] * elsize);
+        if (may_single && biggest >= alltoall_single_copy_min_) {
+          // Rank j's block for this rank starts after its blocks for the ranks before this one.
+          for (int k = 1; k < world_; ++k) {
+            const int j = (rank_ + k) % world_;  // start at different peers to spread the reads
+            if (recv[j] == 0) continue;
+            const int64_t* sj = reinterpret_cast<const int64_t*>(segs_[j]->data(par, capacity_));
+            int64_t at_j = 0;
+            for (int q = 0; q < rank_; ++q) at_j += sj[q];
+            read_peer(j, dst + roff[j], segs_[j]->ctl()->info[par].addr + at_j, recv[j] * elsize);
+          }
+          // The input is read by peers until each has published kRead: only then may the caller write it.
+          publish(at(c, kRead));
+          for (int j = 0; j < world_; ++j) {
+            if (j != rank_) wait_for(j, at(c, kRead));
+          }
+          return;
         }
         pieces = std::max<int64_t>(1, (biggest + slot - 1) / slot);
       }
-      for (int k = 0; k < world_; ++k) {
+      for (int k = 1; k < world_; ++k) {
         const int j = (rank_ + k) % world_;  // start at different peers to spread the reads
-        if (j != rank_ && index > 0) await_checked(j, c, kWritten);
+        if (index > 0) await_checked(j, c, kWritten);
         const int64_t n = std::min(slot, std::max<int64_t>(0, recv[j] * elsize - done));
         if (n > 0) std::memcpy(dst + roff[j] + done, segs_[j]->data(par, capacity_) + head + rank_ * slot, n);
       }

@@ -87,6 +87,10 @@ class ShmComm {
   void set_single_copy_min(int64_t bytes) { single_copy_min_ = bytes; }
   int64_t single_copy_max() const { return single_copy_max_; }
   void set_single_copy_max(int64_t bytes) { single_copy_max_ = bytes; }
+  // All-to-alls whose largest block between two ranks has at least this many bytes go in
+  // one copy (< 0: never); every rank must set the same.
+  int64_t alltoall_single_copy_min() const { return alltoall_single_copy_min_; }
+  void set_alltoall_single_copy_min(int64_t bytes) { alltoall_single_copy_min_ = bytes; }
   // Bytes per piece of a broadcast or all-gather through the segments (<= 0 or above capacity: capacity).
   int64_t piece_bytes() const { return piece_bytes_; }
   void set_piece_bytes(int64_t bytes) { piece_bytes_ = bytes; }
@@ -176,6 +180,7 @@ class ShmComm {
   int64_t peer_timeout_ms_ = 5000;
   int64_t single_copy_min_ = -1;
   int64_t single_copy_max_ = 0;
+  int64_t alltoall_single_copy_min_ = -1;
   int64_t piece_bytes_ = 0;
   uint64_t fork_generation_;
   std::vector<int64_t> global_ranks_;
