@@ -60,7 +60,7 @@ def write_trace(records: list[dict], label: str, directory: str) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m commlab.compare", description=__doc__,
                                  epilog="Metric definitions:\n" + report.DEFINITIONS,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,12 +108,17 @@ def main(argv=None) -> int:
                     "and blocking-collective spans as DIR/<mode>.json (Chrome trace events: Perfetto, "
                     "chrome://tracing) and DIR/<mode>.png (needs matplotlib); off by default")
     ap.add_argument("--json"), ap.add_argument("--plot")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def _settle(ap: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[dict, list[float], list[str], int]:
+    """Every refusal before a rank starts; the arguments each mode gets, the bucket caps, the
+    modes in the order they run (--repeat's rounds, this-host's compute-only runs) and the
+    world size."""
     args = vars(a)
     if a.device == "cuda" and a.warmup < 1:
         ap.error("--device cuda needs --warmup 1 or more: the last warm-up step is profiled for the collectives' "
                  "device time (NCCL completes a collective's future at launch; FSDP2 runs them on its own streams)")
-    pools.preload("torch._dynamo")  # every DDP constructor imports it: once in the ranks' server, not in each rank
     try:
         caps = [float(c) for c in str(a.bucket_cap_mb).split(",") if c.strip()]
     except ValueError:
@@ -146,6 +151,10 @@ def main(argv=None) -> int:
         modes = (["ddp:noop"] + [m for m in modes if m != "ddp:noop"]) * a.repeat + ["ddp:noop"]
     else:
         modes = modes * a.repeat
+    return args, caps, modes, world
+
+
+def _environment(a: argparse.Namespace, args: dict, caps: list[float], world: int) -> dict:
     env = envinfo.collect(torch.device("cpu"))
     env.update(world_size=world, device=a.device, model=args["model"], batch_size=a.batch_size,
                bucket_cap_mb=caps if len(caps) > 1 else caps[0], mem_limit_mb=a.mem_limit_mb, amp=a.amp,
@@ -153,6 +162,13 @@ def main(argv=None) -> int:
                **({"repeat": a.repeat} if a.repeat > 1 else {}))
     if a.share_gpu:
         env["note"] = "--share-gpu: all DDP ranks on one GPU over gloo, a functional check, not a speed figure"
+    return env
+
+
+def _run_modes(a: argparse.Namespace, args: dict, caps: list[float], modes: list[str],
+               world: int) -> tuple[list[dict], list]:
+    """Each mode (and bucket cap) in fresh ranks, in order; this-host's calibration samples
+    taken between them."""
     results, samples = [], []
     for n, mode in enumerate(modes):
         m = Mode.parse(mode)
@@ -179,6 +195,12 @@ def main(argv=None) -> int:
             results.append(res)
         if a.predict == "this-host" and n in sample_after(len(modes)) and results[-1]["status"] == "ok":
             samples.append(host_sample(world, modes, args))  # the last: in predicted
+    return results, samples
+
+
+def _columns(a: argparse.Namespace, args: dict, modes: list[str], world: int, results: list[dict],
+             samples: list) -> list[dict]:
+    """The table's columns: one per mode (its runs pooled with --repeat), then the predicted ones."""
     measured = results
     if a.repeat > 1:  # one column per mode (and cap), its runs pooled
         columns: dict[str, list[dict]] = {}
@@ -187,7 +209,16 @@ def main(argv=None) -> int:
         measured = [report.pool_runs(runs) for runs in columns.values()]
     if a.predict:  # from every run (compute_step pools the compute-only step's)
         measured = measured + predicted(a.predict, modes, results, args, world, samples)
-    results = measured
+    return measured
+
+
+def main(argv=None) -> int:
+    ap = _parser()
+    a = ap.parse_args(argv)
+    args, caps, modes, world = _settle(ap, a)
+    pools.preload("torch._dynamo")  # every DDP constructor imports it: once in the ranks' server, not in each rank
+    env = _environment(a, args, caps, world)
+    results = _columns(a, args, modes, world, *_run_modes(a, args, caps, modes, world))
     doc = {"env": env, "modes": results}
     print("\n".join(envinfo.header_lines(env)))
     print()
@@ -197,7 +228,6 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=2)
     if a.plot:
-
         plot_compare(doc, a.plot)
     return 0 if any(m["status"] == "ok" for m in results) else 1
 

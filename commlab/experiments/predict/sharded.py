@@ -84,146 +84,171 @@ class Held:
         return at
 
 
+class _FsdpStep:
+    """One FSDP step followed op by op on a Timeline: the collectives each block needs, when
+    they are issued and done, and the tensor bytes held meanwhile (Held)."""
+
+    def __init__(self, mode: str, p: int, st: Step, t: list[float], prof, collective_us, reused: bool):
+        m = Mode.parse(mode)
+        self.p, self.st, self.t, self.reshard = p, st, t, m.reshard
+        self.blocks, root = [u for u in st.units[:-1] if u.params], st.units[-1]
+        self.size = [sum(st.params[i] for i in u.params) for u in self.blocks]
+        self.root_bytes = sum(st.params[i] for i in root.params)
+        self.n_fwd = sum(1 for o in st.ops if o.phase == "fwd")
+        self.n_bwd = self.n_fwd + sum(1 for o in st.ops if o.phase == "bwd")
+        # A block's gradients complete at this op.
+        ready = [max(st.grad_ready.get(i, self.n_bwd) for i in u.params) for u in self.blocks]
+        # FSDP2 copies around each collective: the shard into the all-gather input and the
+        # output out to the parameters (u/p + u, each read and written); the gradients into
+        # the reduce-scatter input and the result out to the shard (u + u/p).
+        # On a host FSDP allocates each call's output fresh and the call writes it first: page
+        # faults the bench, reusing its buffers, never paid, where the allocator maps the output
+        # afresh (glibc: above its mmap threshold; a GPU's caching allocator: never).
+        # Called after compute, as training calls them: this host's probe gives how much longer
+        # a call takes than the bench's back-to-back one, and how far apart the ranks leave it;
+        # its calls write buffers as FSDP2's do (allocated for the call, or recycled where reused),
+        # so their page faults are in that ratio.
+        self.prof, self.algorithm, self.cost = prof, m.collectives, collective_us
+        self.slow = {c: in_training(prof, c, m.collectives, p, reused=reused) for c in ("all_gather", "reduce_scatter")}
+        self.exits = 0.0  # the exit spreads summed over the step's calls: where each next wait starts from
+        self.tl, self.held, self.comm = Timeline(prof.overlap), Held(), 0.0
+        state = {"sgd": 0.0, "adamw": 2.0}[st.optimizer] * st.param_bytes
+        self.held.add("parameters", st.param_bytes / p, -1.0)
+        self.held.add("optimizer_state", state / p, -1.0)
+        self.held.add("gradients", st.param_bytes / p, -1.0, 0.0)  # the last step's shards, until zero_grad
+        self.grads_from: dict[int, float] = {}  # a unit's full gradients, from its first micro-step's backward
+        self.rs_end: dict[int, float] = {}
+        self.starts = {u.fwd[0]: k for k, u in enumerate(self.blocks)}
+        self.ends = {u.fwd[1]: k for k, u in enumerate(self.blocks)}
+        self.prefetch = prof.overlap  # FSDP2 issues the next block's all-gather early only where it has streams
+        bwd_start = {k: (ready[k + 1] if k + 1 < len(self.blocks) else self.n_fwd) for k in range(len(self.blocks))}
+        self.at_op: dict[int, list[int]] = {}
+        for k in sorted(range(len(self.blocks)), key=lambda k: bwd_start[k]):
+            self.at_op.setdefault(bwd_start[k], []).append(k)
+        self.done_at: dict[int, list[int]] = {}
+        for k in range(len(self.blocks)):
+            self.done_at.setdefault(ready[k], []).append(k)
+
+    def _call(self, collective: str, n: float) -> float:
+        factor, spread, _ = self.slow[collective]
+        us = self.cost(self.prof, collective, self.algorithm, self.p, n) * factor
+        self.exits += us * spread
+        return us
+
+    def _faults(self, collective: str, n: float) -> float:
+        return 0.0 if self.slow[collective][2] else first_touch_us(self.prof, n)
+
+    def ag(self, n: float) -> tuple[float, float]:
+        return (self._call("all_gather", n) + self._faults("all_gather", n), copy_us(self.prof, 2 * (n / self.p + n)))
+
+    def rs(self, n: float) -> tuple[float, float]:
+        return (self._call("reduce_scatter", n) + self._faults("reduce_scatter", n / self.p),
+                copy_us(self.prof, 2 * (n + n / self.p)))
+
+    def _reduce_scatter(self, k: int, n: float) -> None:
+        """Unit k's full gradients (n bytes) held from their first backward until reduced, then its shard."""
+        _, end = self.tl.collective(self.tl.compute, self.rs(n))
+        self.rs_end[k] = end
+        self.held.add("gradients", n, self.grads_from[k], end)
+        self.held.add("gradients", n / self.p, end)
+
+    def forward(self) -> None:
+        """The root gathered first, then each block before its first op (the next one issued
+        early where collectives overlap compute)."""
+        tl = self.tl
+        if self.root_bytes:
+            _, end = tl.collective(tl.compute, self.ag(self.root_bytes))
+            self.comm += self.root_bytes
+            tl.wait(end)
+        self.gathered_end = [0.0] * len(self.blocks)  # when each block's forward-gathered parameters are freed
+        self.ag_fwd: dict[int, tuple[float, float]] = {}  # block -> (issued, done)
+        for i in range(self.n_fwd):
+            if i in self.ends:
+                self.gathered_end[self.ends[i]] = tl.compute
+            if i in self.starts:
+                k = self.starts[i]
+                self._gather(self.ag_fwd, k, tl.compute)
+                tl.wait(self.ag_fwd[k][1])
+                if self.prefetch:
+                    self._gather(self.ag_fwd, k + 1, tl.compute)
+            tl.run(self.t[i])
+        for k in range(len(self.blocks)):
+            self.comm += self.size[k]
+            if not self.gathered_end[k]:
+                self.gathered_end[k] = tl.compute
+
+    def _gather(self, into: dict, k: int, at: float) -> None:
+        if 0 <= k < len(self.blocks) and k not in into:
+            into[k] = (at, self.tl.collective(at, self.ag(self.size[k]))[1])
+
+    def backward(self, last: bool) -> None:
+        """Blocks in reverse: each needs its parameters (gathered again if resharded) before
+        its first op, the previous block's gathered at its start (prefetch); its gradients
+        reduce-scattered once complete on the last micro-step."""
+        tl = self.tl
+        self.ag_bwd: dict[int, tuple[float, float]] = {}
+        self.begun: dict[int, float] = {}
+        for i in range(self.n_fwd, self.n_bwd + 1):
+            for k in self.done_at.get(i, []):
+                self._finish(k, last)
+            if i == self.n_bwd:
+                break
+            for k in self.at_op.get(i, []):
+                if self.reshard:
+                    self._gather(self.ag_bwd, k, tl.compute)
+                tl.wait(self.ag_bwd[k][1] if self.reshard else 0.0)
+                self.begun[k] = tl.compute
+                if self.reshard:
+                    self._gather(self.ag_bwd, k - 1, tl.compute)
+            tl.run(self.t[i])
+        for k in range(len(self.blocks)):  # blocks whose gradients the trace never saw complete
+            if k not in self.begun:
+                self.begun[k] = tl.compute
+                self._finish(k, last)
+        self.comm += sum(self.size) if self.reshard else 0  # backward's gathers
+
+    def _finish(self, k: int, last: bool) -> None:
+        """A block's gradients complete: reduce-scatter (last micro-step), reshard."""
+        self.grads_from.setdefault(k, self.begun[k])
+        if last:
+            self._reduce_scatter(k, self.size[k])
+        if self.reshard:
+            self.held.add("gathered", self.size[k], self.ag_bwd[k][0], self.tl.compute)
+            self.held.add("gathered", self.size[k], self.ag_fwd[k][0], self.gathered_end[k])
+        else:
+            self.held.add("gathered", self.size[k], self.ag_fwd[k][0], self.tl.compute)
+
+    def run(self, accum: int) -> tuple[float, dict, float, dict]:
+        tl = self.tl
+        for micro in range(accum):
+            # Accumulation: every micro-step gathers again (FSDP2 reshards after backward), only
+            # the last reduce-scatters; the full gradients stay until then (set_requires_gradient_sync).
+            last = micro == accum - 1
+            step_start = tl.compute
+            self.forward()
+            fwd_done = tl.compute
+            self.backward(last)
+            if self.root_bytes:
+                self.grads_from.setdefault(-1, fwd_done)
+                self.held.add("gathered", self.root_bytes, step_start, tl.compute)
+                if last:
+                    self._reduce_scatter(-1, self.root_bytes)
+                    self.comm += self.root_bytes
+        self.comm += sum(self.size)  # the reduce-scatters
+        tl.wait(max(self.rs_end.values(), default=0.0))  # FSDP2 waits for every reduce-scatter before the step
+        opt = sum(x for x, o in zip(self.t, self.st.ops) if o.phase == "opt") / self.p  # the optimizer steps the shards
+        tl.run(opt)
+        return tl.compute, self.held.peak(), self.comm, {
+            "optimizer_ms": opt / 1e3, "units": len(self.blocks) + bool(self.root_bytes),
+            "largest_unit_mb": max(self.size, default=0) / 2**20, "comm_us": tl.comm_us, "exit_spread_us": self.exits}
+
+
 def _fsdp(mode: str, p: int, st: Step, t: list[float], prof, collective_us,
           accum: int = 1, reused: bool = False) -> tuple[float, dict, float, dict]:
     """One FSDP step of `accum` micro-steps (t: one micro-step's op times): (iteration µs,
     tensor bytes at the peak, bytes communicated, schedule facts). reused: every call's
     output recycled by the allocator, as this host's probe timed it (else mapped afresh)."""
-    m = Mode.parse(mode)
-    algorithm, reshard = m.collectives, m.reshard
-    blocks, root = [u for u in st.units[:-1] if u.params], st.units[-1]
-    size = [sum(st.params[i] for i in u.params) for u in blocks]
-    root_bytes = sum(st.params[i] for i in root.params)
-    n_fwd = sum(1 for o in st.ops if o.phase == "fwd")
-    n_bwd = n_fwd + sum(1 for o in st.ops if o.phase == "bwd")
-    ready = [max(st.grad_ready.get(i, n_bwd) for i in u.params) for u in blocks]  # a block's gradients complete
-
-    # FSDP2 copies around each collective: the shard into the all-gather input and the
-    # output out to the parameters (u/p + u, each read and written); the gradients into
-    # the reduce-scatter input and the result out to the shard (u + u/p).
-    # On a host FSDP allocates each call's output fresh and the call writes it first: page
-    # faults the bench, reusing its buffers, never paid, where the allocator maps the output
-    # afresh (glibc: above its mmap threshold; a GPU's caching allocator: never).
-    # Called after compute, as training calls them: this host's probe gives how much longer
-    # a call takes than the bench's back-to-back one, and how far apart the ranks leave it;
-    # its calls write buffers as FSDP2's do (allocated for the call, or recycled where reused),
-    # so their page faults are in that ratio.
-    slow = {c: in_training(prof, c, algorithm, p, reused=reused) for c in ("all_gather", "reduce_scatter")}
-    faults = lambda c, n: 0.0 if slow[c][2] else first_touch_us(prof, n)  # noqa: E731
-    exits = [0.0]  # the exit spreads summed over the step's calls: where each next wait starts from
-
-    def call(collective: str, n: float) -> float:
-        factor, spread, _ = slow[collective]
-        us = collective_us(prof, collective, algorithm, p, n) * factor
-        exits[0] += us * spread
-        return us
-
-    ag = lambda n: (call("all_gather", n) + faults("all_gather", n), copy_us(prof, 2 * (n / p + n)))  # noqa: E731
-    rs = lambda n: (call("reduce_scatter", n) + faults("reduce_scatter", n / p),  # noqa: E731
-                    copy_us(prof, 2 * (n + n / p)))
-    tl, held, comm = Timeline(prof.overlap), Held(), 0.0
-    state = {"sgd": 0.0, "adamw": 2.0}[st.optimizer] * st.param_bytes
-    held.add("parameters", st.param_bytes / p, -1.0)
-    held.add("optimizer_state", state / p, -1.0)
-    held.add("gradients", st.param_bytes / p, -1.0, 0.0)  # the last step's shards, until zero_grad
-    grads_from: dict[int, float] = {}  # a unit's full gradients, from its first micro-step's backward
-    rs_end: dict[int, float] = {}
-    starts = {u.fwd[0]: k for k, u in enumerate(blocks)}
-    ends = {u.fwd[1]: k for k, u in enumerate(blocks)}
-    prefetch = prof.overlap  # FSDP2 issues the next block's all-gather early only where it has streams
-    bwd_start = {k: (ready[k + 1] if k + 1 < len(blocks) else n_fwd) for k in range(len(blocks))}
-    at_op: dict[int, list[int]] = {}
-    for k in sorted(range(len(blocks)), key=lambda k: bwd_start[k]):
-        at_op.setdefault(bwd_start[k], []).append(k)
-    done_at: dict[int, list[int]] = {}
-    for k in range(len(blocks)):
-        done_at.setdefault(ready[k], []).append(k)
-    for micro in range(accum):
-        # Accumulation: every micro-step gathers again (FSDP2 reshards after backward), only
-        # the last reduce-scatters; the full gradients stay until then (set_requires_gradient_sync).
-        last = micro == accum - 1
-        step_start = tl.compute
-        # Forward: the root first, then each block gathered before its first op.
-        if root_bytes:
-            _, end = tl.collective(tl.compute, ag(root_bytes))
-            comm += root_bytes
-            tl.wait(end)
-        gathered_end = [0.0] * len(blocks)  # when each block's forward-gathered parameters are freed
-        ag_fwd: dict[int, tuple[float, float]] = {}  # block -> (issued, done)
-
-        def gather_fwd(k: int, at: float) -> None:
-            if k < len(blocks) and k not in ag_fwd:
-                ag_fwd[k] = (at, tl.collective(at, ag(size[k]))[1])
-
-        for i in range(n_fwd):
-            if i in ends:
-                gathered_end[ends[i]] = tl.compute
-            if i in starts:
-                k = starts[i]
-                gather_fwd(k, tl.compute)
-                tl.wait(ag_fwd[k][1])
-                if prefetch:
-                    gather_fwd(k + 1, tl.compute)
-            tl.run(t[i])
-        for k in range(len(blocks)):
-            comm += size[k]
-            if not gathered_end[k]:
-                gathered_end[k] = tl.compute
-        fwd_done = tl.compute
-        # Backward: blocks in reverse; each needs its parameters (gathered again if resharded)
-        # before its first op, the previous block's gathered at its start (prefetch).
-        ag_bwd: dict[int, tuple[float, float]] = {}
-        begun: dict[int, float] = {}
-
-        def gather_bwd(k: int, at: float) -> None:
-            if reshard and 0 <= k and k not in ag_bwd:
-                ag_bwd[k] = (at, tl.collective(at, ag(size[k]))[1])
-
-        def finish(k: int) -> None:  # a block's gradients complete: reduce-scatter (last micro-step), reshard
-            grads_from.setdefault(k, begun[k])
-            if last:
-                _, end = tl.collective(tl.compute, rs(size[k]))
-                rs_end[k] = end
-                held.add("gradients", size[k], grads_from[k], end)  # the unit's full gradients until reduced
-                held.add("gradients", size[k] / p, end)
-            if reshard:
-                held.add("gathered", size[k], ag_bwd[k][0], tl.compute)
-                held.add("gathered", size[k], ag_fwd[k][0], gathered_end[k])
-            else:
-                held.add("gathered", size[k], ag_fwd[k][0], tl.compute)
-
-        for i in range(n_fwd, n_bwd + 1):
-            for k in done_at.get(i, []):
-                finish(k)
-            if i == n_bwd:
-                break
-            for k in at_op.get(i, []):
-                gather_bwd(k, tl.compute)
-                tl.wait(ag_bwd[k][1] if reshard else 0.0)
-                begun[k] = tl.compute
-                gather_bwd(k - 1, tl.compute)
-            tl.run(t[i])
-        for k in range(len(blocks)):  # blocks whose gradients the trace never saw complete
-            if k not in begun:
-                begun[k] = tl.compute
-                finish(k)
-        comm += sum(size) if reshard else 0  # backward's gathers
-        if root_bytes:
-            grads_from.setdefault(-1, fwd_done)
-            held.add("gathered", root_bytes, step_start, tl.compute)
-            if last:
-                _, end = tl.collective(tl.compute, rs(root_bytes))
-                rs_end[-1] = end
-                held.add("gradients", root_bytes, grads_from[-1], end)
-                held.add("gradients", root_bytes / p, end)
-                comm += root_bytes
-    comm += sum(size)  # the reduce-scatters
-    tl.wait(max(rs_end.values(), default=0.0))  # FSDP2 waits for every reduce-scatter before the step
-    opt = sum(x for x, o in zip(t, st.ops) if o.phase == "opt") / p  # the optimizer steps the shards
-    tl.run(opt)
-    return tl.compute, held.peak(), comm, {"optimizer_ms": opt / 1e3, "units": len(blocks) + bool(root_bytes),
-                                          "largest_unit_mb": max(size, default=0) / 2**20, "comm_us": tl.comm_us,
-                                          "exit_spread_us": exits[0]}
+    return _FsdpStep(mode, p, st, t, prof, collective_us, reused).run(accum)
 
 
 def zero1_broadcasts_us(prof, p: int, params: list[float]) -> tuple[float, float]:
