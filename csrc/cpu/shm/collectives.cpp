@@ -339,10 +339,12 @@ void ShmComm::alltoall(const at::Tensor& out, const at::Tensor& in, const std::v
     return;
   }
   // A piece's buffer: every rank's byte counts (sent to, received from each peer), then
-  // one slot per destination holding the same stretch of each block (a rank's own block
-  // goes straight from its input to its output, never through a segment).
+  // one slot per other rank holding the same stretch of its block (a rank's own block goes
+  // straight from its input to its output, never through a segment).
   const int64_t head = ((2 * world_ * static_cast<int64_t>(sizeof(int64_t)) + 63) / 64) * 64;
-  const int64_t slot = ((capacity_ - head) / world_ / 64) * 64;  // a multiple of every element size
+  const int64_t slot = ((capacity_ - head) / (world_ - 1) / 64) * 64;  // a multiple of every element size
+  // Where rank `owner`'s segment holds its block for rank `dest` (dest != owner).
+  auto slot_at = [&](int owner, int dest) { return head + ((dest - owner - 1 + world_) % world_) * slot; };
   TORCH_CHECK(slot > 0, "commlab shm: capacity too small for all_to_all among ", world_, " ranks");
   // One copy where blocks are large enough: each rank reads its blocks out of its peers'
   // inputs. Every rank takes the same path, decided from the whole matrix of counts; a
@@ -368,7 +370,7 @@ void ShmComm::alltoall(const at::Tensor& out, const at::Tensor& in, const std::v
         counts[q] = send[q] * elsize;
         counts[world_ + q] = recv[q] * elsize;
         const int64_t n = std::min(slot, std::max<int64_t>(0, send[q] * elsize - done));
-        if (q != rank_ && n > 0 && !surely_single) std::memcpy(own + head + q * slot, src + soff[q] + done, n);
+        if (q != rank_ && n > 0 && !surely_single) std::memcpy(own + slot_at(rank_, q), src + soff[q] + done, n);
       }
       if (index == 0) segs_[rank_]->ctl()->info[par].addr = reinterpret_cast<uint64_t>(src);
       begin(c, call, index, slot);
@@ -417,7 +419,7 @@ void ShmComm::alltoall(const at::Tensor& out, const at::Tensor& in, const std::v
         const int j = (rank_ + k) % world_;  // start at different peers to spread the reads
         if (index > 0) await_checked(j, c, kWritten);
         const int64_t n = std::min(slot, std::max<int64_t>(0, recv[j] * elsize - done));
-        if (n > 0) std::memcpy(dst + roff[j] + done, segs_[j]->data(par, capacity_) + head + rank_ * slot, n);
+        if (n > 0) std::memcpy(dst + roff[j] + done, segs_[j]->data(par, capacity_) + slot_at(j, rank_), n);
       }
     }
   });
