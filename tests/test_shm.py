@@ -542,6 +542,46 @@ def test_a_root_that_dies_before_a_single_copy_read_is_named():
     assert s2 == "ok" and r2 == {"error": None, "right": True}, r2
 
 
+def all_to_all_reads_a_dead_rank(rank, p):
+    """One-copy all-to-all: rank 0 enters the call first, publishes its counts and its
+    input's address, and is killed while it waits for its peers; they enter later, find
+    its record in place and read its process's memory: that read fails naming rank 0,
+    fast, on both."""
+    saved = shm.ALLTOALL_SINGLE_COPY_MIN
+    shm.ALLTOALL_SINGLE_COPY_MIN = 1024
+    try:
+        x = torch.full((p * 4096,), float(rank))
+        out = torch.empty_like(x)
+        commlab.all_to_all(out, x, algorithm="shm")  # set up: one copy from 1 KiB blocks
+        dist.barrier()
+    finally:
+        shm.ALLTOALL_SINGLE_COPY_MIN = saved
+    if rank == 0:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    else:
+        time.sleep(1.0)
+    t0 = time.monotonic()
+    try:
+        commlab.all_to_all(out, x, algorithm="shm")
+        return {"error": None}
+    except commlab.CommlabError as e:
+        return {"error": type(e).__name__, "msg": str(e), "s": time.monotonic() - t0}
+
+
+@pytest.mark.slow  # the broadcast's test above keeps the one-copy read of a dead peer in the quick tier
+def test_a_rank_that_dies_before_its_one_copy_all_to_all_is_read_is_named():
+    pool = RankPool(3)
+    try:
+        res = pool.outcomes(all_to_all_reads_a_dead_rank, timeout=60)
+    finally:
+        pool.close()
+    assert res[0].status == "missing"
+    for r in (1, 2):
+        s, got = status_payload(res[r])
+        assert s == "ok" and got["error"] == "PeerError" and "rank 0" in got["msg"] and got["s"] < 3, got
+        assert "could not read rank 0's buffer" in got["msg"], got  # the read itself found it dead
+
+
 def unhashable_src_after_a_planned_call(rank, p):
     """A broadcast with a src the fast path cannot look up (a list) goes the long way and
     is refused there on that rank; its peers, in the fast path, raise naming it."""
