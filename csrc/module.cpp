@@ -131,6 +131,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property("single_copy_max", &commlab::ShmComm::single_copy_max, &commlab::ShmComm::set_single_copy_max)
       .def_property("alltoall_single_copy_min", &commlab::ShmComm::alltoall_single_copy_min,
                     &commlab::ShmComm::set_alltoall_single_copy_min)
+      .def_property_readonly("single_copy_calls", &commlab::ShmComm::single_copy_calls,
+                             "calls in which this rank read a peer's memory in one copy")
       .def_property("piece_bytes", &commlab::ShmComm::piece_bytes, &commlab::ShmComm::set_piece_bytes)
       .def("abort", &commlab::ShmComm::abort, pybind11::arg("why"), pybind11::arg("mismatch") = false,
            "give up on this communicator: peers waiting on this rank fail at once with `why`")

@@ -106,13 +106,17 @@ def main() -> int:
                   "(tc tbf)")
         return rc
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()  # torchrun stops its ranks
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not cut the cleanup short
+            signal.signal(sig, signal.SIG_IGN)
+        running = [p for p in procs if p.poll() is None]
+        for p in running:
+            p.terminate()  # torchrun stops its ranks (it gives them 30 s)
+        for p in running:
+            try:
+                p.communicate(timeout=45)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
         for n in made:
             ip("netns", "del", n, check=False)
 

@@ -27,7 +27,8 @@ for S in ["1M", "4M", "16M", "64M"]:
             print(f"| {S} | {mode} | no rows: see {D}/all_reduce-{name}-{S}-{mode}.txt |")
             continue
         best = min((t, a) for a, t in rows.items() if a in BUILTIN)
-        mine = rows[f"msccl:docs/data/synth/all_reduce-{name}-{S}.xml"]
+        # Rows of schedules are named by the path the run was given: matched by file name.
+        mine = next(t for a, t in rows.items() if a.endswith(f"/all_reduce-{name}-{S}.xml"))
         others = ", ".join(f"{os.path.basename(a).split('-')[-1][:-4]} {t:.1f}" for a, t in rows.items()
                            if a.startswith("msccl:") and not a.endswith(f"-{S}.xml"))
         print(f"| {S} | {'back-to-back' if mode == 'loop' else 'isolated'} | {best[1]} {best[0]:.1f} | {chose.split('-')[-1]} {mine:.1f} | {mine / best[0]:.2f} | {pred:.1f} | {pred / mine:.2f} | {lb:.1f} | {mine / lb:.2f} | {others} |")

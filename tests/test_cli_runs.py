@@ -81,6 +81,7 @@ def test_bench_trace_holds_every_timed_call_and_gives_back_the_table(launches, r
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp / "r.json").read_text())["results"]
     assert "trace" not in json.loads((tmp / "r.json").read_text())
+    assert len(rows) == 3 * 3  # algorithms x sizes
     for r in rows:
         assert RESULT_KEYS <= set(r) and r["wrong"] == 0, r
         assert r["p10_us"] <= r["p50_us"] <= r["p90_us"] and r["iters"] == 8, r

@@ -442,7 +442,7 @@ def single_copy_all_to_alls(rank, p, lo):
                         inp, torch.cat([_pattern(rows[rank][q], dtype, rank * p + q) for q in range(p)])):
                     wrong.append((str(dtype), case))
         comm = shm.state_of(commlab.core.groups.resolve(g)).comm
-        got = comm.alltoall_single_copy_min
+        got, one_copy = comm.alltoall_single_copy_min, comm.single_copy_calls
         # Rank 1 expects 10 rows fewer from rank 0 than rank 0 sends it.
         recv = [5000 - (10 if (rank, j) == (1, 0) else 0) for j in range(p)]
         try:
@@ -451,7 +451,7 @@ def single_copy_all_to_alls(rank, p, lo):
             error = None
         except commlab.CommlabError as e:
             error = (type(e).__name__, "rank 0 sends 5000 elements to rank 1, which expects 4990" in str(e))
-        return {"wrong": wrong, "min": got, "error": error}
+        return {"wrong": wrong, "min": got, "one_copy": one_copy, "error": error}
     finally:
         shm.ALLTOALL_SINGLE_COPY_MIN = saved
         dist.barrier()
@@ -462,8 +462,37 @@ def single_copy_all_to_alls(rank, p, lo):
 def test_single_copy_all_to_all_is_right_and_agreed(ranks, lo):
     for res in ranks.run(3, single_copy_all_to_alls, lo):
         assert res["wrong"] == [], res
-        assert res["min"] == lo, res  # this machine lets ranks read each other: the path ran
+        assert res["min"] == lo, res  # this machine lets ranks read each other: the setting holds
+        # The calls that went in one copy: all 16 at 0 (those that move no byte too), the 8
+        # with a block of at least 1 KiB at 1024, none at -1.
+        assert res["one_copy"] == {0: 16, 1024: 8, -1: 0}[lo], res
         assert res["error"] == ("CollectiveMismatchError", True), res
+
+
+def one_copy_bounds_that_differ(rank, p):
+    """Rank 0's communicator told to read its peers' memory from 1 KiB blocks, its peers'
+    never (set on the communicator, past setup's agreement): the call is the same
+    mismatch on every rank, naming the bound, not one rank reading a buffer its peer
+    has already handed back."""
+    g = dist.new_group(list(range(p)))
+    try:
+        x = torch.full((p * 4096,), float(rank))
+        out = torch.empty_like(x)
+        commlab.all_to_all(out, x, group=g, algorithm="shm")
+        comm = shm.state_of(commlab.core.groups.resolve(g)).comm
+        if comm.probe_single_copy() and rank == 0:
+            comm.alltoall_single_copy_min = 1024
+        try:
+            commlab.all_to_all(out, x, group=g, algorithm="shm")
+            return None
+        except commlab.CommlabError as e:
+            return type(e).__name__, "one copy from 1024 bytes" in str(e)
+    finally:
+        dist.destroy_process_group(g)
+
+
+def test_one_copy_bounds_that_differ_are_a_mismatch_on_every_rank(ranks):
+    assert ranks.run(3, one_copy_bounds_that_differ) == [("CollectiveMismatchError", True)] * 3
 
 
 def all_gathers_in_pieces(rank, p, piece):

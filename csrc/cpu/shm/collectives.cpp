@@ -1,6 +1,7 @@
 // The five collectives over the segments, in pieces of at most a buffer: all-reduce
 // (one-shot, two-shot, root), all-gather, reduce-scatter, broadcast (through the root's
-// buffers, or in one copy out of its process) and all-to-all, with their fast paths.
+// buffers, or in one copy out of its process) and all-to-all (through the segments, a
+// rank's own block straight, or in one copy out of its peers' processes), with their fast paths.
 #include "layout.h"
 
 #include <errno.h>
@@ -266,6 +267,7 @@ void ShmComm::broadcast(const at::Tensor& t, int64_t root) {
         begin(c, call, 0, nbytes);
         await_checked(from, c, kReady);
         read_peer(from, data, segs_[from]->ctl()->info[c & 1].addr, nbytes);
+        ++single_copy_calls_;
         publish(at(c, kRead));
       }
     });
@@ -332,6 +334,9 @@ void ShmComm::alltoall(const at::Tensor& out, const at::Tensor& in, const std::v
               "commlab shm: all_to_all counts must add up to the input's and the output's sizes");
   char* dst = static_cast<char*>(out.data_ptr());
   const char* src = static_cast<const char*>(in.data_ptr());
+  // Blocks land in the output while the input is still read (by this rank and, in one copy, its peers).
+  TORCH_CHECK(world_ == 1 || dst + roff[world_] <= src || src + soff[world_] <= dst,
+              "commlab shm: all_to_all's input and output must not overlap");
   if (world_ == 1) {
     TORCH_CHECK(send[0] == recv[0], "commlab shm: all_to_all of one rank sends ", send[0], " elements to itself and expects ",
                 recv[0]);
@@ -357,7 +362,8 @@ void ShmComm::alltoall(const at::Tensor& out, const at::Tensor& in, const std::v
   const bool may_single = alltoall_single_copy_min_ >= 0;
   const bool surely_single = may_single && own_biggest >= alltoall_single_copy_min_;
   // The record carries no sizes (they differ by rank): the counts are checked as a whole below.
-  const Call call{kAllToAll, 0, static_cast<int32_t>(in.scalar_type()), -1, -1, -1};
+  // It carries the one-copy bound: ranks that would choose the path differently fail alike.
+  const Call call{kAllToAll, alltoall_single_copy_min_, static_cast<int32_t>(in.scalar_type()), -1, -1, -1};
   guarded([&] {
     int64_t pieces = 1;  // known after the first piece, from every rank's counts
     for (int64_t index = 0; index < pieces; ++index) {
@@ -407,6 +413,7 @@ void ShmComm::alltoall(const at::Tensor& out, const at::Tensor& in, const std::v
             read_peer(j, dst + roff[j], segs_[j]->ctl()->info[par].addr + at_j, recv[j] * elsize);
           }
           // The input is read by peers until each has published kRead: only then may the caller write it.
+          ++single_copy_calls_;
           publish(at(c, kRead));
           for (int j = 0; j < world_; ++j) {
             if (j != rank_) wait_for(j, at(c, kRead));

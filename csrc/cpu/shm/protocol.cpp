@@ -282,7 +282,10 @@ void ShmComm::check_info(int peer, uint64_t piece_seq, bool peer_may_be_past) {
       return;
     }
     if (ci.kind == kAllToAll) {  // sizes per peer: compared through the splits, not the record
-      out << " of " << c10::toString(static_cast<c10::ScalarType>(ci.dtype)) << " (piece " << ci.index << ")";
+      out << " of " << c10::toString(static_cast<c10::ScalarType>(ci.dtype));
+      // total: the block size from which the rank reads its peers' memory in one copy (-1: never)
+      if (ci.total >= 0) out << ", one copy from " << ci.total << " bytes";
+      out << " (piece " << ci.index << ")";
       return;
     }
     out << " of " << ci.total << " bytes of " << c10::toString(static_cast<c10::ScalarType>(ci.dtype));

@@ -59,7 +59,7 @@ class ShmComm {
   void broadcast(const at::Tensor& t, int64_t root);
   // out (sum(recv) elements: recv[j] from rank j, in rank order) = every rank's block for
   // this rank (send[q] of in's elements go to rank q, in rank order); every rank checks the
-  // whole matrix of counts before any byte lands.
+  // whole matrix of counts before any byte lands. out and in must not overlap.
   void alltoall(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& send,
                 const std::vector<int64_t>& recv);
   // The other families' fast paths, like try_allreduce: the call if every tensor is like
@@ -91,6 +91,8 @@ class ShmComm {
   // one copy (< 0: never); every rank must set the same.
   int64_t alltoall_single_copy_min() const { return alltoall_single_copy_min_; }
   void set_alltoall_single_copy_min(int64_t bytes) { alltoall_single_copy_min_ = bytes; }
+  // Calls in which this rank read a peer's memory in one copy (broadcast receivers, all-to-all).
+  uint64_t single_copy_calls() const { return single_copy_calls_; }
   // Bytes per piece of a broadcast or all-gather through the segments (<= 0 or above capacity: capacity).
   int64_t piece_bytes() const { return piece_bytes_; }
   void set_piece_bytes(int64_t bytes) { piece_bytes_ = bytes; }
@@ -143,7 +145,7 @@ class ShmComm {
   enum Phase : uint64_t {
     kWritten = 1,  // the piece's record, and its input where it has one, are in the segment
     kReady = 2,    // what peers read of it is ready: a reduced slice or result, the root's data
-    kRead = 3,     // a reader copied it out of the root's buffer (one-copy broadcast)
+    kRead = 3,     // a reader copied it out of its peer's buffer (one-copy broadcast and all-to-all)
   };
   static constexpr uint64_t at(uint64_t piece, uint64_t phase) { return piece * 4 + phase; }
   void begin(uint64_t c, const Call& call, int64_t index, int64_t nbytes, uint64_t phase = kWritten);
@@ -189,6 +191,7 @@ class ShmComm {
   bool own_unlinked_ = false;
   uint64_t seq_ = 0;    // pieces run so far
   uint64_t calls_ = 0;  // calls run so far
+  uint64_t single_copy_calls_ = 0;
   uint64_t record_seq_ = 0;  // the piece of the last point-to-point record (post_record)
   // A record that waited for no peer was the last piece: a peer may still be reading the
   // piece before it, whose buffers and record slot the next piece would write (settle).
