@@ -557,12 +557,17 @@ def root_dies_before_a_reader_reads(rank, p):
         return {"error": type(e).__name__, "msg": str(e), "s": time.monotonic() - t0}
 
 
-def test_a_root_that_dies_before_a_single_copy_read_is_named():
+def _three_fresh_ranks(fn):
+    """fn's outcome on each of three ranks of a pool of their own (one of them is killed)."""
     pool = RankPool(3)
     try:
-        res = pool.outcomes(root_dies_before_a_reader_reads, timeout=60)
+        return pool.outcomes(fn, timeout=60)
     finally:
         pool.close()
+
+
+def test_a_root_that_dies_before_a_single_copy_read_is_named():
+    res = _three_fresh_ranks(root_dies_before_a_reader_reads)
     assert res[0].status == "missing"
     s1, r1 = status_payload(res[1])
     s2, r2 = status_payload(res[2])
@@ -599,11 +604,7 @@ def all_to_all_reads_a_dead_rank(rank, p):
 
 @pytest.mark.slow  # the broadcast's test above keeps the one-copy read of a dead peer in the quick tier
 def test_a_rank_that_dies_before_its_one_copy_all_to_all_is_read_is_named():
-    pool = RankPool(3)
-    try:
-        res = pool.outcomes(all_to_all_reads_a_dead_rank, timeout=60)
-    finally:
-        pool.close()
+    res = _three_fresh_ranks(all_to_all_reads_a_dead_rank)
     assert res[0].status == "missing"
     for r in (1, 2):
         s, got = status_payload(res[r])
