@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 from ranks import clean_launch_env
 
@@ -218,9 +219,9 @@ def test_emulated_hosts_stopped_by_sigterm_leave_no_namespace_or_rank_behind():
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not _ranks_of(29619):
+        while time.monotonic() < deadline and not _ranks_of(29619, launchers=False):
             time.sleep(0.2)
-        assert _ranks_of(29619), "the bench's ranks never started"
+        assert _ranks_of(29619, launchers=False), "the bench's ranks never started"
         assert set(_ip("netns", "list").stdout.split()) - before
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
@@ -234,19 +235,15 @@ def test_emulated_hosts_stopped_by_sigterm_leave_no_namespace_or_rank_behind():
     assert not _ranks_of(29619)
 
 
-def _ranks_of(port: int) -> list[str]:
-    """The bench's processes of this rendezvous port: torchrun (its flag) and its ranks (their environment)."""
+def _ranks_of(port: int, launchers: bool = True) -> list[int]:
+    """The bench's processes of this rendezvous port: its ranks (their environment) and,
+    with `launchers`, torchrun (its flag)."""
     found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"commlab.allreduce_bench" in cmd and (str(port).encode() in cmd or f"MASTER_PORT={port}".encode() in env):
-            found.append(pid)
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        cmd, env = proc.info["cmdline"] or [], proc.info["environ"] or {}
+        if "commlab.allreduce_bench" in cmd and (
+                env.get("MASTER_PORT") == str(port) or launchers and str(port) in cmd):
+            found.append(proc.pid)
     return found
 
 
