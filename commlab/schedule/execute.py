@@ -97,6 +97,12 @@ class Program:
                 return None
             return bufs[b].view(k, cnt)
 
+        def views(buf, off, cnt):
+            """Chunks that lie back to back as one view, which one call moves or folds (a
+            step of many chunks costs what a step of one does); else chunk by chunk."""
+            span = whole(buf, off, cnt)
+            return [span] if span is not None else chunks(buf, off, cnt)
+
         landing = []
         for (b, st), direct in zip(self.receives, self.lands_in_place):
             view = whole(st.dstbuf, st.dstoff, st.cnt) if direct else None
@@ -117,14 +123,9 @@ class Program:
                 posted.wait_recv(got_n)
                 got = landing[got_n]
                 got_n += 1
-            # Chunks that lie back to back are one view, and one call moves or folds them
-            # all: a step of many chunks costs what a step of one does.
-            span = whole(st.srcbuf, st.srcoff, st.cnt) if kind.reads_src else None
-            src = [span] if span is not None else chunks(st.srcbuf, st.srcoff, st.cnt) if kind.reads_src else None
-            dst = None
-            if kind.writes_dst:
-                d = whole(st.dstbuf, st.dstoff, st.cnt)
-                dst = [d] if d is not None else chunks(st.dstbuf, st.dstoff, st.cnt)
+            src = views(st.srcbuf, st.srcoff, st.cnt) if kind.reads_src else None
+            dst = views(st.dstbuf, st.dstoff, st.cnt) if kind.writes_dst else None
+            span = src[0] if src is not None and len(src) == 1 else None  # the source as one view
             if st.type == "re":
                 for d, x in _pieces(dst, src):
                     combine_into(d, x, d, op)  # the runtime's order: src (op) dst
