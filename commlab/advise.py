@@ -1,7 +1,6 @@
 """`python -m commlab.advise`: the entry point; the code lives in commlab/diagnostics/advise.py."""
-import sys
-
+from commlab.core.cli import run
 from commlab.diagnostics.advise import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -1,7 +1,6 @@
 """`python -m commlab.costmodel`: the entry point; the code lives in commlab/measure/costmodel.py."""
-import sys
-
+from commlab.core.cli import run
 from commlab.measure.costmodel import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

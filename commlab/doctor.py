@@ -1,7 +1,6 @@
 """`python -m commlab.doctor`: the entry point; the code lives in commlab/diagnostics/doctor.py."""
-import sys
-
+from commlab.core.cli import run
 from commlab.diagnostics.doctor import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -1,7 +1,6 @@
 """`python -m commlab.predict`: the entry point; the code lives in commlab/experiments/predict/cli.py."""
-import sys
-
+from commlab.core.cli import run
 from commlab.experiments.predict.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

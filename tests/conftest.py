@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -56,6 +57,11 @@ def ranks():
     pools = Pools()
     yield pools
     pools.close()
+
+
+def pytest_collection_finish(session):
+    # torch and the collected tests live as long as the session (commlab.core.cli.run's reason).
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass, replace
 
+from commlab.core.cli import run
 from commlab.experiments.predict import per_mode, replicated
 from commlab.experiments.predict.hardware import load_profile
 
@@ -331,4 +331,4 @@ def _print_sharding(what: str, verdict: str, findings: list[Finding]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -13,7 +13,6 @@ import argparse
 import hashlib
 import os
 import socket
-import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from torch.utils.data.distributed import DistributedSampler
 import commlab
 from commlab.algorithms.all_reduce import auto, hier
 from commlab.core import groups
+from commlab.core.cli import run
 from commlab.measure import launch, pools
 from commlab.transports import ipc
 from commlab.transports.setup import by_host, gather, host_id
@@ -374,4 +374,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

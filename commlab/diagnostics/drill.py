@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from commlab import algorithms
+from commlab.core.cli import run
 from commlab.core.errors import CommlabError
 from commlab.core.reduction import Op
 from commlab.measure.pools import RankPool
@@ -215,4 +216,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

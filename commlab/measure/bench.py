@@ -26,6 +26,7 @@ import torch.distributed as dist
 from commlab import algorithms
 from commlab.algorithms import tuning
 from commlab.core import groups
+from commlab.core.cli import run
 from commlab.core.reduction import Op, parse_op
 from commlab.core.units import format_bytes, parse_bytes
 from commlab.measure import clocks, envinfo, launch, pools, probes, trace
@@ -343,4 +344,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -21,12 +21,12 @@ import argparse
 import itertools
 import json
 import math
-import sys
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from commlab import algorithms
+from commlab.core.cli import run
 from commlab.core.errors import UnsupportedError
 from commlab.core.units import (
     approx_bytes,
@@ -302,4 +302,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import faulthandler
+import gc
 import multiprocessing as mp
 import multiprocessing.util  # noqa: F401 - registers its exit handler on import: _close_open must come after
 import os
@@ -127,6 +128,7 @@ def _context():
 def _rank_main(rank: int, world_size: int, workdir: str, port: int, backend: str | None, pg_timeout_s: float,
                threads: int, inq, outq, lifeline: int) -> None:
 
+    gc.freeze()  # the server's imports, as a CLI's (commlab.core.cli.run): never walked again
     threading.Thread(target=_watch_lifeline, args=(lifeline, rank, workdir), daemon=True,
                      name="commlab-lifeline").start()
 

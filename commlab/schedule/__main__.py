@@ -15,6 +15,7 @@ import argparse
 import sys
 
 from commlab.algorithms import registry
+from commlab.core.cli import run
 from commlab.core.errors import UnsupportedError
 from commlab.core.units import parse_bytes
 
@@ -135,4 +136,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

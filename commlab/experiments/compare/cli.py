@@ -33,6 +33,7 @@ import sys
 
 import torch
 
+from commlab.core.cli import run
 from commlab.experiments import workloads
 from commlab.experiments.compare import report, search
 from commlab.experiments.compare.calibrate import host_sample, predicted, sample_after
@@ -233,4 +234,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from commlab.core.cli import run
 from commlab.experiments import workloads
 from commlab.experiments.compare import report
 from commlab.experiments.modes import Mode
@@ -103,4 +103,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)
