@@ -39,7 +39,7 @@ def test_every_firing_rule_is_reported():
                                           "mixed precision"}
 
 
-def test_advise_from_measurements(tmp_path):
+def test_advise_from_measurements(tmp_path, capsys):
     doc = {"env": {}, "modes": [
         {"mode": "dp", "status": "ok", "iter_ms": {"median": 152.0, "p90": 160.0}, "peak_memory_mb": [19200, 14100]},
         {"mode": "ddp", "status": "ok", "iter_ms": {"median": 89.0, "p90": 95.0}, "peak_memory_mb": [14700, 14700]},
@@ -51,9 +51,9 @@ def test_advise_from_measurements(tmp_path):
     assert any("+4500 MB" in line for line in lines)
     src = tmp_path / "c.json"
     src.write_text(json.dumps(doc))
-    proc = subprocess.run([sys.executable, "-m", "commlab.advise", "--from", str(src), "--gpus", "4"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "fastest: ddp" in proc.stdout and "DDP strongly recommended" in proc.stdout
+    assert advise.main(["--from", str(src), "--gpus", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "fastest: ddp" in out and "DDP strongly recommended" in out
 
 
 def _row(mode, ms, mb, comm=0.0, state=0.0, opt=None):

@@ -81,20 +81,34 @@ def test_slurm_node_lists_and_tasks_per_node():
 
 @pytest.mark.parametrize("env, says", [
     ({"WORLD_SIZE": "4"}, "RANK"),
-    *[pytest.param(e, w, marks=pytest.mark.slow) for e, w in [  # each one a fresh interpreter: the full suite
-        ({"RANK": "0"}, "WORLD_SIZE"),
-        ({"PMI_SIZE": "4"}, "PMI_RANK"),
-        ({"OMPI_COMM_WORLD_RANK": "1"}, "OMPI_COMM_WORLD_SIZE"),
-        ({"SLURM_PROCID": "1", "SLURM_STEP_ID": "0"}, "SLURM_STEP_NUM_TASKS"),
-        ({"PMI_RANK": "x", "PMI_SIZE": "2"}, "not the rank")]],
+    ({"RANK": "0"}, "WORLD_SIZE"),
+    ({"PMI_SIZE": "4"}, "PMI_RANK"),
+    ({"OMPI_COMM_WORLD_RANK": "1"}, "OMPI_COMM_WORLD_SIZE"),
+    ({"SLURM_PROCID": "1", "SLURM_STEP_ID": "0"}, "SLURM_STEP_NUM_TASKS"),
+    ({"PMI_RANK": "x", "PMI_SIZE": "2"}, "not the rank"),
 ])
-def test_a_half_described_launch_is_a_clear_error(env, says, tmp_path):
+def test_a_half_described_launch_is_a_clear_error(env, says, bare_env, capsys):
     """From the bench's command line, before any waiting: exit 2 and the variable that is
-    missing, not a rank that waits for peers until the group's timeout."""
+    missing, not a rank that waits for peers until the group's timeout (the process's own
+    exit code: test_a_half_described_launch_exits_2)."""
+    from commlab.measure.bench import main
+
+    for k, v in env.items():
+        bare_env.setenv(k, v)
+    assert main(["-b", "8", "-e", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "commlab:" in err and says in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_half_described_launch_exits_2(tmp_path):
+    """The same from a fresh interpreter: the process's exit code is main's."""
     out = subprocess.run([sys.executable, "-m", "commlab.allreduce_bench", "-b", "8", "-e", "8"],
-                         env=clean_launch_env(**env), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                         env=clean_launch_env(WORLD_SIZE="4"), capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
     assert out.returncode == 2, out.stdout + out.stderr
-    assert "commlab:" in out.stderr and says in out.stderr, out.stderr
+    assert "commlab:" in out.stderr and "RANK" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
 
 

@@ -9,6 +9,6 @@ from typing import Callable, NoReturn
 def run(main: Callable[[], int | None]) -> NoReturn:
     """sys.exit(main()), with what was imported so far frozen: torch's modules live as long
     as the process, so the collector never walks them again and the interpreter's exit does
-    not deallocate them one by one (a second of CPU per process, spent after the work)."""
+    not deallocate them one by one (CPU spent after the work, by every process that ran one)."""
     gc.freeze()
     sys.exit(main())
