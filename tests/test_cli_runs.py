@@ -1,7 +1,9 @@
-"""The benchmark CLI and the bench/ suite end to end, in fresh processes: their outputs'
-correctness only, no timing asserted, so the runs start ahead of their tests, two at a
-time (tests/ahead.py). The runs whose rows are set against floors, and the refusals
-timed from the test's start, stay in tests/test_cli.py."""
+"""The benchmark CLI end to end: its main in the test's process with the command line a
+user types (its ranks forked from the tests' server, as a `--world-size` run forks them
+from its own), and the entry points as fresh interpreters. Outputs' correctness only, no
+timing asserted. The runs whose rows are set against floors, and the refusals, are in
+tests/test_cli.py; `pytest bench/` runs whole in the documentation's example
+(docs/bench.md, tests/test_docs.py)."""
 import json
 import os
 import sys
@@ -22,37 +24,46 @@ def _python(*args, timeout=240) -> ahead.Launch:
                         timeout=timeout)
 
 
-def _bench(*args) -> ahead.Launch:
-    return _python("-m", "commlab.allreduce_bench", *args)
-
+ENTRY_POINTS = ["allreduce_bench", "compare", "advise", "doctor", "costmodel", "predict", "schedule"]
+_EVERY_HELP = f"""
+import runpy, sys
+for module in {ENTRY_POINTS!r}:
+    sys.argv = [module, "--help"]
+    try:
+        runpy.run_module("commlab." + module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        print("exit", module, e.code, flush=True)
+"""
 
 launches = ahead.launches({
-    # The floors (set against sum's rows) once: the other ops' runs are about their rows.
-    "test_bench_cli_spawn_json": lambda tmp, op, dtype: _bench(
-        "--world-size", "3", "-b", "8", "-e", "8K", "-f", "32", "--anchors", "none", "-n", "3", "-w", "1", "-o", op,
-        "-d", dtype, "--json", str(tmp / "r.json"), "--csv", str(tmp / "r.csv"),
-        *([] if op == "sum" else ["--no-floors"])),
-    "test_bench_measures_every_all_gather_algorithm_checked": lambda tmp: _bench(
-        "--world-size", "3", "--collective", "all_gather", "-b", "96", "-e", "96K", "-f", "32", "--anchors", "none",
-        "-n", "3", "-w", "1", "--rounds", "1", "--json", str(tmp / "g.json")),
-    "test_bench_on_the_commlab_backend_measures_it_beside_gloo": lambda tmp: _bench(
-        "--world-size", "2", "--backend", "commlab", "-b", "4K", "-e", "64K", "-f", "16", "--anchors", "none", "-n",
-        "3", "-w", "1", "--rounds", "1", "--json", str(tmp / "r.json")),
-    "test_bench_cli_rejects_unknown_algorithm": lambda tmp: _bench(
-        "--world-size", "2", "--algorithms", "ring,nope", "-e", "8"),
-    "test_bench_suite_smoke": lambda tmp: _python(
-        "-m", "pytest", "bench/", "-q", "--benchmark-disable", "-k", "4K or kernels", "-p", "no:cacheprovider",
-        timeout=300),
-    "test_entry_points_run_without_docstrings": lambda tmp, module: _python(
-        "-OO", "-m", f"commlab.{module}", "--help", timeout=120),
+    # One interpreter under -OO for every entry point: runpy runs each as `python -m` would.
+    "test_entry_points_run_without_docstrings": lambda tmp: _python("-OO", "-c", _EVERY_HELP, timeout=120),
 })
+
+
+def _bench(monkeypatch, capfd, *args) -> tuple[int, str, str]:
+    """`python -m commlab.allreduce_bench ARGS` as main in this process: (exit code, stdout, stderr)."""
+    from commlab.measure.bench import main
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    capfd.readouterr()
+    try:
+        rc = main(list(args))
+    except SystemExit as e:  # argparse's refusals
+        rc = e.code
+    out, err = capfd.readouterr()
+    return rc, out, err
 
 
 @pytest.mark.slow  # the quick tier's bench run with --json: the trace's (its rows' keys, exactness, busbw)
 @pytest.mark.parametrize("op,dtype", [("sum", "float"), ("avg", "int32"), ("max", "bfloat16")])
-def test_bench_cli_spawn_json(launches, request, op, dtype):
-    proc, tmp, _ = launches.take(request)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_bench_cli_spawn_json(tmp_path, monkeypatch, capfd, op, dtype):
+    tmp = tmp_path
+    # The floors (set against sum's rows) once: the other ops' runs are about their rows.
+    rc, out, err = _bench(monkeypatch, capfd, "--world-size", "3", "-b", "8", "-e", "8K", "-f", "32", "--anchors",
+                          "none", "-n", "3", "-w", "1", "-o", op, "-d", dtype, "--json", str(tmp / "r.json"), "--csv",
+                          str(tmp / "r.csv"), *([] if op == "sum" else ["--no-floors"]))
+    assert rc == 0, err[-3000:]
     doc = json.loads((tmp / "r.json").read_text())
     assert doc["env"]["world_size"] == 3 and doc["env"]["backend"] == "gloo" and doc["env"]["ranks_per_host"] == [3]
     algs = commlab.algorithms.for_device("cpu")
@@ -64,7 +75,7 @@ def test_bench_cli_spawn_json(launches, request, op, dtype):
         assert r["p10_us"] <= r["p50_us"] <= r["p90_us"]
         assert r["time_us"] > 0 and r["iters"] == 3
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 4 / 3)
-    assert "out of bounds values: 0 OK" in proc.stdout
+    assert "out of bounds values: 0 OK" in out
     assert (tmp / "r.csv").read_text().startswith("algorithm,bytes,count")
 
 
@@ -115,11 +126,14 @@ def test_bench_trace_holds_every_timed_call_and_gives_back_the_table(tmp_path, m
 
 
 @pytest.mark.slow
-def test_bench_measures_every_all_gather_algorithm_checked(launches, request):
+def test_bench_measures_every_all_gather_algorithm_checked(tmp_path, monkeypatch, capfd):
     """--collective all_gather: every registered all-gather algorithm, sizes as nccl-tests
     prints them (the gathered output), busbw = algbw·(p-1)/p, #wrong 0 on every row."""
-    proc, tmp, _ = launches.take(request)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    tmp = tmp_path
+    rc, out, err = _bench(monkeypatch, capfd, "--world-size", "3", "--collective", "all_gather", "-b", "96", "-e",
+                          "96K", "-f", "32", "--anchors", "none", "-n", "3", "-w", "1", "--rounds", "1", "--json",
+                          str(tmp / "g.json"))
+    assert rc == 0, err[-3000:]
     doc = json.loads((tmp / "g.json").read_text())
     assert doc["collective"] == "all_gather"
     algs = commlab.algorithms.registry("all_gather").for_device("cpu")
@@ -128,15 +142,17 @@ def test_bench_measures_every_all_gather_algorithm_checked(launches, request):
         assert r["wrong"] == 0, r
         assert r["bytes"] == 3 * r["count"] * 4  # float32, 3 ranks
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 2 / 3)
-    assert "collective: all_gather" in proc.stdout and "out of bounds values: 0 OK" in proc.stdout
+    assert "collective: all_gather" in out and "out of bounds values: 0 OK" in out
 
 
 @pytest.mark.slow
-def test_bench_on_the_commlab_backend_measures_it_beside_gloo(launches, request):
+def test_bench_on_the_commlab_backend_measures_it_beside_gloo(tmp_path, monkeypatch, capfd):
     """--backend commlab: every algorithm right on a commlab world group, and a
     builtin@commlab row (dist.all_reduce as unchanged training code calls it)."""
-    proc, tmp, _ = launches.take(request)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    tmp = tmp_path
+    rc, _, err = _bench(monkeypatch, capfd, "--world-size", "2", "--backend", "commlab", "-b", "4K", "-e", "64K", "-f",
+                        "16", "--anchors", "none", "-n", "3", "-w", "1", "--rounds", "1", "--json", str(tmp / "r.json"))
+    assert rc == 0, err[-3000:]
     doc = json.loads((tmp / "r.json").read_text())
     assert doc["env"]["backend"] == "commlab"
     names = {r["algorithm"] for r in doc["results"]}
@@ -145,24 +161,17 @@ def test_bench_on_the_commlab_backend_measures_it_beside_gloo(launches, request)
 
 
 @pytest.mark.slow
-def test_bench_cli_rejects_unknown_algorithm(launches, request):
-    proc, _, _ = launches.take(request)
-    assert proc.returncode != 0
-    assert "unknown algorithm 'nope'" in proc.stderr
+def test_bench_cli_rejects_unknown_algorithm(monkeypatch, capfd):
+    rc, _, err = _bench(monkeypatch, capfd, "--world-size", "2", "--algorithms", "ring,nope", "-e", "8")
+    assert rc != 0
+    assert "unknown algorithm 'nope'" in err
 
 
 @pytest.mark.slow
-def test_bench_suite_smoke(launches, request):
-    """pytest bench/ with benchmarks disabled: every benchmark body runs once."""
-    proc, _, _ = launches.take(request)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("module", ["allreduce_bench", "compare", "advise", "doctor", "costmodel"])
-def test_entry_points_run_without_docstrings(launches, request, module):
+def test_entry_points_run_without_docstrings(launches, request):
     """python -OO strips docstrings; no entry point may depend on one."""
     proc, _, _ = launches.take(request)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "usage:" in proc.stdout
+    for module in ENTRY_POINTS:
+        assert f"exit {module} 0" in proc.stdout, (module, proc.stdout[-3000:], proc.stderr[-2000:])
+    assert proc.stdout.count("usage: ") >= len(ENTRY_POINTS)

@@ -103,7 +103,7 @@ def _synthesize(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m commlab.schedule", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m commlab.schedule", description=(__doc__ or "").split("\n\n")[0])  # None under -OO
     sub = ap.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check", help="prove a schedule (exit 0 valid, 1 invalid, 2 unreadable)")
     c.add_argument("file")
