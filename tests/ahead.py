@@ -1,7 +1,8 @@
 """End-to-end runs started ahead of their tests, two at a time. Each is a fresh interpreter
 (or several) that spends seconds importing torch on one core: run one after another they
 left a core idle for a third of their time. Only runs whose test asserts nothing about
-time belong here, in a module of their own (so no other test runs beside them).
+time belong here, in a module whose tests assert nothing about time either (they run beside
+them).
 
     launches = ahead.launches({"test_name": lambda tmp, **params: ahead.Launch([...])})
 

@@ -1,10 +1,13 @@
-"""commlab.compare end to end: the CLI in fresh processes writes the documented JSON, table
-and traces. The runs start ahead of their tests, two at a time (tests/ahead.py): none of
-them asserts anything about time."""
+"""commlab.compare end to end: the CLI writes the documented JSON, table and traces. The
+documentation's runs are fresh processes, verbatim, started ahead of their tests two at a
+time (tests/ahead.py); the others call the CLI's main in the test's process with the
+command line a user types (their ranks forked from the tests' server, as a run forks
+them from its own). None of them asserts anything about time."""
 import json
 import os
 import statistics
 import sys
+import types
 
 import ahead
 import pytest
@@ -25,13 +28,6 @@ SMALL = ["--model", "mlp", "--width", "64", "--depth", "3", "--batch-size", "16"
          "--bucket-cap-mb", "0.01"]
 
 
-def _compare(tmp_path, *args, timeout=300.0, **env) -> ahead.Launch:
-    """`python -m commlab.compare --device cpu --world-size 2 ARGS --json <tmp>/c.json`."""
-    cmd = [sys.executable, "-m", "commlab.compare", "--device", "cpu", "--world-size", "2", *args,
-           "--json", str(tmp_path / "c.json")]
-    return ahead.Launch(cmd, env=dict(os.environ, GLOO_SOCKET_IFNAME="lo", **env), timeout=timeout)
-
-
 THIS_HOST = {"COMMLAB_PROBE_REPS": "4", "COMMLAB_BENCH_BUDGET": "0.02"}  # this-host's bench and probes, short
 
 
@@ -43,30 +39,59 @@ def _documented(tmp_path, example: str) -> ahead.Launch:
 
 
 launches = ahead.launches({
-    "test_compare_cpu_modes": lambda tmp: _compare(
-        tmp, "--modes", "dp,ddp,ddp:ring,ddp:shm,ddp:noop,ddp:nope,ddp@commlab", *SMALL, "--accum-steps", "2", "--amp",
-        "bf16", "--checkpoint", timeout=600),
     "test_the_documented_this_host_prediction": lambda tmp: _documented(tmp, "this-host"),
-    "test_emulated_memory_limit_on_cpu": lambda tmp: _compare(
+    "test_compare_trains_the_users_model": lambda tmp: _documented(tmp, "users-model"),
+})
+
+
+def _cmp(tmp, *args, **env):
+    """`python -m commlab.compare --device cpu --world-size 2 ARGS --json <tmp>/c.json`."""
+    return "compare", ["--device", "cpu", "--world-size", "2", *args, "--json", str(tmp / "c.json")], env
+
+
+RUNS = {
+    "test_compare_cpu_modes": lambda tmp: _cmp(
+        tmp, "--modes", "dp,ddp,ddp:ring,ddp:shm,ddp:noop,ddp:nope,ddp@commlab", *SMALL, "--accum-steps", "2", "--amp",
+        "bf16", "--checkpoint"),
+    "test_emulated_memory_limit_on_cpu": lambda tmp: _cmp(
         tmp, "--modes", "ddp,ddp:shm", "--model", "mlp", "--width", "64", "--depth", "2", "--batch-size", "8",
-        "--iters", "2", "--warmup", "1", "--bucket-cap-mb", "0.01,1", "--mem-limit-mb", "0.001", timeout=600),
-    "test_more_ranks_than_gpus_is_a_clear_error_before_anything_starts": lambda tmp: ahead.Launch(
-        [sys.executable, "-m", "commlab.compare", "--device", "cuda", "--world-size", "4"], timeout=120),
-    "test_trace_is_a_chrome_trace_that_agrees_with_the_table": lambda tmp: _compare(
+        "--iters", "2", "--warmup", "1", "--bucket-cap-mb", "0.01,1", "--mem-limit-mb", "0.001"),
+    "test_more_ranks_than_gpus_is_a_clear_error_before_anything_starts": lambda tmp: (
+        "compare", ["--device", "cuda", "--world-size", "4"], {}),
+    "test_trace_is_a_chrome_trace_that_agrees_with_the_table": lambda tmp: _cmp(
         tmp, "--modes", "ddp,ddp:shm", *SMALL, "--trace", str(tmp / "t")),
-    "test_trace_of_the_sharded_modes_agrees_with_the_table": lambda tmp: _compare(
+    "test_trace_of_the_sharded_modes_agrees_with_the_table": lambda tmp: _cmp(
         tmp, "--modes", "zero1,fsdp:shm", "--model", "transformer", "--width", "32", "--depth", "2", "--batch-size",
         "8", "--iters", "3", "--warmup", "1", "--trace", str(tmp / "t")),
-    "test_compare_repeat_runs_and_pools_end_to_end": lambda tmp: _compare(
+    "test_compare_repeat_runs_and_pools_end_to_end": lambda tmp: _cmp(
         tmp, "--modes", "ddp", *SMALL, "--repeat", "2", "--predict", "this-host", "--trace", str(tmp / "t"),
-        timeout=600, **THIS_HOST),
-    "test_compare_trains_the_users_model": lambda tmp: _documented(tmp, "users-model"),
-    "test_predict_cli_takes_the_users_model": lambda tmp: ahead.Launch(
-        [sys.executable, "-m", "commlab.predict", "--hardware", "h100-sxm-nvlink", "--gpus", "2", "--model",
-         "tests.models:tiny_mlp", "--input-shape", "32", "--batch-size", "64", "--json", str(tmp / "p.json")]),
-    "test_a_factory_that_returns_no_module_is_a_clear_error": lambda tmp: ahead.Launch(
-        [sys.executable, "-m", "commlab.compare", "--device", "cpu", "--model", "tests.models:not_a_model"]),
-})
+        **THIS_HOST),
+    "test_predict_cli_takes_the_users_model": lambda tmp: (
+        "predict", ["--hardware", "h100-sxm-nvlink", "--gpus", "2", "--model", "tests.models:tiny_mlp", "--input-shape",
+                    "32", "--batch-size", "64", "--json", str(tmp / "p.json")], {}),
+    "test_a_factory_that_returns_no_module_is_a_clear_error": lambda tmp: (
+        "compare", ["--device", "cpu", "--model", "tests.models:not_a_model"], {}),
+}
+
+
+@pytest.fixture
+def ran(request, tmp_path, monkeypatch, capfd):
+    """This test's command (RUNS) through its CLI's main: (the outcome as a process's —
+    returncode, stdout, stderr —, its folder)."""
+    from commlab.experiments.compare.cli import main as compare
+    from commlab.experiments.predict.cli import main as predict
+
+    tool, args, env = RUNS[request.node.originalname](tmp_path)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    capfd.readouterr()
+    try:
+        rc = {"compare": compare, "predict": predict}[tool](args)
+    except SystemExit as e:  # argparse's refusals
+        rc = e.code
+    out, err = capfd.readouterr()
+    return types.SimpleNamespace(returncode=rc, stdout=out, stderr=err), tmp_path
 
 
 @pytest.mark.slow
@@ -118,8 +143,8 @@ def test_the_documented_this_host_prediction(launches, request):
 
 
 @pytest.mark.slow
-def test_compare_cpu_modes(launches, request):
-    proc, tmp_path, _ = launches.take(request)
+def test_compare_cpu_modes(ran):
+    proc, tmp_path = ran
     out = tmp_path / "c.json"
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())
@@ -145,8 +170,8 @@ def test_compare_cpu_modes(launches, request):
 
 
 @pytest.mark.slow
-def test_emulated_memory_limit_on_cpu(launches, request):
-    proc, tmp_path, _ = launches.take(request)
+def test_emulated_memory_limit_on_cpu(ran):
+    proc, tmp_path = ran
     out = tmp_path / "c.json"
     assert proc.returncode == 1, proc.stderr[-3000:]  # nothing ran: exit 1
     doc = json.loads(out.read_text())
@@ -158,20 +183,20 @@ def test_emulated_memory_limit_on_cpu(launches, request):
 
 
 @pytest.mark.slow
-def test_more_ranks_than_gpus_is_a_clear_error_before_anything_starts(launches, request):
-    proc, tmp_path, _ = launches.take(request)
+def test_more_ranks_than_gpus_is_a_clear_error_before_anything_starts(ran):
+    proc, tmp_path = ran
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "no CUDA device is visible" in proc.stderr or "NCCL needs a GPU per rank" in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow
-def test_trace_is_a_chrome_trace_that_agrees_with_the_table(launches, request):
+def test_trace_is_a_chrome_trace_that_agrees_with_the_table(ran):
     """--trace: a Chrome trace-event JSON per mode (a process per rank; compute,
     communication and exposed-sync tracks), from the very timestamps the table sums: the
     exposed and total sync read back from the trace are the table's."""
     import importlib.util
 
-    proc, tmp_path, _ = launches.take(request)
+    proc, tmp_path = ran
     out, traces = tmp_path / "c.json", tmp_path / "t"
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = {m["mode"]: m for m in json.loads(out.read_text())["modes"]}
@@ -217,11 +242,11 @@ def test_trace_is_a_chrome_trace_that_agrees_with_the_table(launches, request):
 
 
 @pytest.mark.slow
-def test_trace_of_the_sharded_modes_agrees_with_the_table(launches, request):
+def test_trace_of_the_sharded_modes_agrees_with_the_table(ran):
     """--trace on ZeRO-1 and FSDP: DDP's buckets plus the parameter broadcast, FSDP's
     all-gathers and reduce-scatters, every one of them a blocking span of the
     communication and exposed tracks; read back, they are the table's sync figures."""
-    proc, tmp_path, _ = launches.take(request)
+    proc, tmp_path = ran
     out, traces = tmp_path / "c.json", tmp_path / "t"
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = {m["mode"]: m for m in json.loads(out.read_text())["modes"]}
@@ -247,8 +272,8 @@ def test_trace_of_the_sharded_modes_agrees_with_the_table(launches, request):
 
 
 @pytest.mark.slow
-def test_compare_repeat_runs_and_pools_end_to_end(launches, request):
-    proc, tmp_path, _ = launches.take(request)
+def test_compare_repeat_runs_and_pools_end_to_end(ran):
+    proc, tmp_path = ran
     out, traces = tmp_path / "c.json", tmp_path / "t"
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())
@@ -281,14 +306,14 @@ def test_compare_trains_the_users_model(launches, request):
 
 
 @pytest.mark.slow
-def test_predict_cli_takes_the_users_model(launches, request):
-    proc, tmp_path, _ = launches.take(request)
+def test_predict_cli_takes_the_users_model(ran):
+    proc, tmp_path = ran
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["mode"]: r for r in json.loads((tmp_path / "p.json").read_text())["modes"]}
     assert rows["ddp"]["status"] == "ok" and rows["ddp"]["iter_ms"]["median"] > 0
 
 
 @pytest.mark.slow
-def test_a_factory_that_returns_no_module_is_a_clear_error(launches, request):
-    bad, _, _ = launches.take(request)
+def test_a_factory_that_returns_no_module_is_a_clear_error(ran):
+    bad, _ = ran
     assert bad.returncode == 2 and "must return an nn.Module" in bad.stderr and "Traceback" not in bad.stderr
