@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import types
 
 from commlab.measure.pools import Outcome, RankFailure, RankPool  # noqa: F401
 
@@ -80,3 +81,20 @@ def run_lightning(tmp_path, script_text: str, *args: str) -> list[dict]:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(f.read_text()) for f in sorted(tmp_path.glob("*.json"))]
+
+
+def run_main(main, args: list[str], monkeypatch, capfd, **env) -> types.SimpleNamespace:
+    """A CLI's main called in this process with the command line a user types, as `python
+    -m` would run it (its ranks forked from the tests' server, as a run forks them from
+    its own), without two fresh interpreters' seconds of importing torch: the outcome as a
+    process's (returncode, stdout, stderr)."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    capfd.readouterr()
+    try:
+        rc = main(list(args))
+    except SystemExit as e:  # argparse's refusals
+        rc = e.code
+    out, err = capfd.readouterr()
+    return types.SimpleNamespace(returncode=rc, stdout=out, stderr=err)

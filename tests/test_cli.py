@@ -8,10 +8,11 @@ import sys
 
 import pytest
 import torch
+from ranks import run_main
 
 import commlab
 from commlab.core.units import format_bytes, parse_bytes
-from commlab.measure import costmodel, probes
+from commlab.measure import bench, costmodel, probes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,7 +49,7 @@ def test_a_gpu_trace_is_refused_before_the_run():
 
 
 @pytest.mark.slow
-def test_costmodel_recovers_known_parameters(tmp_path):
+def test_costmodel_recovers_known_parameters(tmp_path, monkeypatch, capfd):
     alpha, beta, gamma = 50.0, 1e-3, 2e-4  # us, us/B, us/B
     p = 4
     results = []
@@ -65,8 +66,8 @@ def test_costmodel_recovers_known_parameters(tmp_path):
     src = tmp_path / "bench.json"
     src.write_text(json.dumps(doc))
     pred = tmp_path / "pred.json"
-    proc = _run(["-m", "commlab.costmodel", "--from", str(src), "--ranks", "8,64", "--bytes", "1M,100M",
-                 "--holdout", "--json", str(pred)])
+    proc = run_main(costmodel.main, ["--from", str(src), "--ranks", "8,64", "--bytes", "1M,100M", "--holdout",
+                                     "--json", str(pred)], monkeypatch, capfd)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(pred.read_text())
     ring = [x for x in got["predictions"] if x["ranks"] == 64 and x["bytes"] == 100 << 20][0]["time_us"]["ring"]
@@ -292,12 +293,12 @@ def test_the_mpi_anchor_names_its_library_and_stages_cuda_tensors(monkeypatch):
 
 
 @pytest.mark.slow
-def test_memory_floor_is_a_lower_bound(tmp_path):
+def test_memory_floor_is_a_lower_bound(tmp_path, monkeypatch, capfd):
     """An efficiency above 100 % would be a bug in the floor: it is measured with every
     rank streaming at once (4 ranks share the 2 cores here), at the working-set size."""
     out = tmp_path / "r.json"
-    proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "4", "-b", "1M", "-e", "4M", "-f", "4",
-                 "--algorithms", "shm,shm_ps", "--budget", "0.1", "--rounds", "1", "--json", str(out)], timeout=300)
+    proc = run_main(bench.main, ["--world-size", "4", "-b", "1M", "-e", "4M", "-f", "4", "--algorithms", "shm,shm_ps",
+                                 "--budget", "0.1", "--rounds", "1", "--json", str(out)], monkeypatch, capfd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     effs = [float(line.rsplit("efficiency", 1)[1].strip(" %")) for line in proc.stdout.splitlines()
             if "-> efficiency" in line]
@@ -309,13 +310,13 @@ def test_memory_floor_is_a_lower_bound(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_floors_can_be_left_out_and_this_hosts_fit_leaves_them_out(tmp_path, monkeypatch):
+def test_the_floors_can_be_left_out_and_this_hosts_fit_leaves_them_out(tmp_path, monkeypatch, capfd):
     """compare's this-host fit reads the rows alone; the floors it had the bench measure
     were 2.2 s of an 8 s run, once per collective fitted."""
     out = tmp_path / "r.json"
-    proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "2", "-b", "4K", "-e", "1M", "-f", "256",
-                 "--algorithms", "shm", "--anchors", "none", "--budget", "0.02", "--rounds", "1", "--no-floors",
-                 "--json", str(out)], timeout=300)
+    proc = run_main(bench.main, ["--world-size", "2", "-b", "4K", "-e", "1M", "-f", "256", "--algorithms", "shm",
+                                 "--anchors", "none", "--budget", "0.02", "--rounds", "1", "--no-floors", "--json",
+                                 str(out)], monkeypatch, capfd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     env = json.loads(out.read_text())["env"]
     assert not {"group_bandwidth_gbps", "handoffs", "hot_copy_us"} & set(env), env
@@ -375,14 +376,14 @@ def test_memory_floor_takes_the_larger_bound():
 
 
 @pytest.mark.slow
-def test_small_message_floor_is_measured_and_below_every_row(tmp_path):
+def test_small_message_floor_is_measured_and_below_every_row(tmp_path, monkeypatch, capfd):
     """The 4 KiB floor (handoff + copy, + a switch per extra rank on a core) is measured
     in the run, every row's time is a multiple >= 1 of it, and the ping-pong segments
     are gone afterwards."""
     out = tmp_path / "r.json"
-    proc = _run(["-m", "commlab.allreduce_bench", "--world-size", "4", "-b", "4K", "-e", "64K", "-f", "16",
-                 "--algorithms", "shm,builtin", "--anchors", "none", "--budget", "0.1", "--rounds", "1",
-                 "--json", str(out)], timeout=300)
+    proc = run_main(bench.main, ["--world-size", "4", "-b", "4K", "-e", "64K", "-f", "16", "--algorithms",
+                                 "shm,builtin", "--anchors", "none", "--budget", "0.1", "--rounds", "1", "--json",
+                                 str(out)], monkeypatch, capfd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     env = json.loads(out.read_text())["env"]
     h = env["handoffs"]

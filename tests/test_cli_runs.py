@@ -10,6 +10,7 @@ import sys
 
 import ahead
 import pytest
+from ranks import run_main
 
 import commlab
 from commlab.core.units import format_bytes
@@ -42,17 +43,11 @@ launches = ahead.launches({
 
 
 def _bench(monkeypatch, capfd, *args) -> tuple[int, str, str]:
-    """`python -m commlab.allreduce_bench ARGS` as main in this process: (exit code, stdout, stderr)."""
+    """`python -m commlab.allreduce_bench ARGS`, its main in this process: (exit code, stdout, stderr)."""
     from commlab.measure.bench import main
 
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    capfd.readouterr()
-    try:
-        rc = main(list(args))
-    except SystemExit as e:  # argparse's refusals
-        rc = e.code
-    out, err = capfd.readouterr()
-    return rc, out, err
+    ran = run_main(main, args, monkeypatch, capfd)
+    return ran.returncode, ran.stdout, ran.stderr
 
 
 @pytest.mark.slow  # the quick tier's bench run with --json: the trace's (its rows' keys, exactness, busbw)

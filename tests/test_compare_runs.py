@@ -7,10 +7,10 @@ import json
 import os
 import statistics
 import sys
-import types
 
 import ahead
 import pytest
+from ranks import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -76,22 +76,13 @@ RUNS = {
 
 @pytest.fixture
 def ran(request, tmp_path, monkeypatch, capfd):
-    """This test's command (RUNS) through its CLI's main: (the outcome as a process's —
-    returncode, stdout, stderr —, its folder)."""
+    """This test's command (RUNS) through its CLI's main: (its outcome, its folder)."""
     from commlab.experiments.compare.cli import main as compare
     from commlab.experiments.predict.cli import main as predict
 
     tool, args, env = RUNS[request.node.originalname](tmp_path)
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    capfd.readouterr()
-    try:
-        rc = {"compare": compare, "predict": predict}[tool](args)
-    except SystemExit as e:  # argparse's refusals
-        rc = e.code
-    out, err = capfd.readouterr()
-    return types.SimpleNamespace(returncode=rc, stdout=out, stderr=err), tmp_path
+    main = {"compare": compare, "predict": predict}[tool]
+    return run_main(main, args, monkeypatch, capfd, **env), tmp_path
 
 
 @pytest.mark.slow
