@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from ranks import run_main
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -89,10 +90,9 @@ def test_sharding_decision_is_the_fastest_mode_that_fits_with_its_reasons(limit,
 
 
 @pytest.mark.slow
-def test_advise_sharding_cli_predicts_a_gpu_profile():
-    proc = subprocess.run([sys.executable, "-m", "commlab.advise", "--hardware", "rtx4090-pcie4", "--gpus", "4",
-                           "--model", "transformer", "--width", "256", "--depth", "2", "--mem-limit-mb", "40"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_advise_sharding_cli_predicts_a_gpu_profile(monkeypatch, capfd):
+    proc = run_main(advise.main, ["--hardware", "rtx4090-pcie4", "--gpus", "4", "--model", "transformer", "--width",
+                                  "256", "--depth", "2", "--mem-limit-mb", "40"], monkeypatch, capfd)
     assert proc.returncode == 0, proc.stderr
     assert "# DDP, ZeRO-1/2 or FSDP (predicted on rtx4090-pcie4):" in proc.stdout
     for mode in ("ddp memory", "zero1 memory", "fsdp:noreshard memory", "fsdp memory"):
@@ -136,14 +136,12 @@ def test_where_nothing_fits_advise_predicts_accumulation_and_recomputation_at_th
 
 
 @pytest.mark.slow
-def test_doctor_cli_smoke_tests_every_algorithm():
+def test_doctor_cli_smoke_tests_every_algorithm(monkeypatch, capfd):
     import commlab
 
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    env.pop("MASTER_ADDR", None)
-    env.pop("MASTER_PORT", None)
-    proc = subprocess.run([sys.executable, "-m", "commlab.doctor", "--world-size", "2", "--timeout", "20"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=240)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    proc = run_main(doctor.main, ["--world-size", "2", "--timeout", "20"], monkeypatch, capfd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in commlab.algorithms.for_device("cpu"):
         assert f"[PASS] all-reduce {name}: 2 local ranks correct" in proc.stdout, proc.stdout
