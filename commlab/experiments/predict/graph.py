@@ -3,6 +3,7 @@ device): every operation's FLOPs (torch.utils.flop_counter's formulas) and bytes
 when each parameter's gradient is ready during backward, and the memory facts."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -65,8 +66,12 @@ class _Recorder(TorchDispatchMode):
         self.phase = "fwd"
         self.skip = skip  # the parameters' storages: the weights are counted apart
         self.live: dict = {}  # storage -> bytes, for every tensor an op made that is still alive
+        self.alive = 0  # their sum
         self.peak = 0.0
         self.curve: list[float] = []  # bytes alive after every dispatched op: the peak at any batch
+
+    def _died(self, k) -> None:
+        self.alive -= self.live.pop(k)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -75,10 +80,13 @@ class _Recorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 k = StorageWeakRef(t.untyped_storage())
                 if k not in self.skip and k not in self.live:
-                    self.live[k] = t.untyped_storage().nbytes()
-        for k in [k for k in self.live if k.expired()]:
-            del self.live[k]
-        self.curve.append(float(sum(self.live.values())))
+                    storage = t.untyped_storage()
+                    self.live[k] = storage.nbytes()
+                    self.alive += self.live[k]
+                    # A storage keeps its Python object while it lives: told of its death, where a
+                    # scan of every live storage after every op grew with the model squared.
+                    weakref.finalize(storage, self._died, k).atexit = False
+        self.curve.append(float(self.alive))
         self.peak = max(self.peak, self.curve[-1])
         packet = func._overloadpacket
         if func.is_view or packet in _FREE:
