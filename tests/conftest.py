@@ -7,8 +7,10 @@ from ranks import RankPool
 
 from commlab.measure import pools
 
-# Many tests' ranks build DDP, whose constructor imports torch._dynamo: once, in the ranks' server.
+# Many tests' ranks build DDP, whose constructor imports torch._dynamo: once, in the ranks' server,
+# which imports it while pytest collects.
 pools.preload("torch._dynamo")
+pools.warm()
 
 # Small segments and buffers so moderate test sizes exercise the ring's pipelining,
 # shared memory's pieces (tensors larger than a buffer) and both shm modes.

@@ -10,6 +10,7 @@ import datetime
 import faulthandler
 import gc
 import multiprocessing as mp
+import multiprocessing.forkserver as forkserver
 import multiprocessing.util  # noqa: F401 - registers its exit handler on import: _close_open must come after
 import os
 import queue
@@ -123,6 +124,13 @@ def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first use)
     return ctx
+
+
+def warm() -> None:
+    """Starts the ranks' server now, with what preload() named so far: it imports torch on
+    another core while this process goes on, not when its first rank is wanted."""
+    _context()
+    forkserver.ensure_running()
 
 
 def _rank_main(rank: int, world_size: int, workdir: str, port: int, backend: str | None, pg_timeout_s: float,
