@@ -79,6 +79,10 @@ def extension():
     # Portable code only: the wheel must run on any x86-64 host, so no -march=native;
     # vectorized paths are chosen at run time.
     cxx = ["-O3", f'-DCOMMLAB_VERSION="{VERSION}"']
+    # No debug information unless asked for (COMMLAB_DEBUG=1): Python's flags carry -g, and
+    # writing it for torch's headers was a third of the build.
+    if os.environ.get("COMMLAB_DEBUG", "0") != "1":
+        cxx.append("-g0")
     define = []
     if WITH_CUDA:
         nvcc = ["-O3", f'-DCOMMLAB_VERSION="{VERSION}"', "-DCOMMLAB_WITH_CUDA"]
