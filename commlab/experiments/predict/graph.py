@@ -78,9 +78,9 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                k = StorageWeakRef(t.untyped_storage())
+                storage = t.untyped_storage()
+                k = StorageWeakRef(storage)
                 if k not in self.skip and k not in self.live:
-                    storage = t.untyped_storage()
                     self.live[k] = storage.nbytes()
                     self.alive += self.live[k]
                     # A storage keeps its Python object while it lives: told of its death, where a
