@@ -12,7 +12,7 @@ from ranks import run_main
 
 import commlab
 from commlab.core.units import format_bytes, parse_bytes
-from commlab.measure import bench, costmodel, probes
+from commlab.measure import bench, costmodel, pools, probes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,21 +24,17 @@ def _run(args, timeout=240):
 
 
 @pytest.mark.parametrize("flag", ["--json", "--plot", "--csv", "--trace"])
-def test_an_output_that_cannot_be_written_is_refused_before_the_run(tmp_path, flag, capsys):
+def test_an_output_that_cannot_be_written_is_refused_before_the_run(tmp_path, flag, monkeypatch, capfd):
     """Rank 0 writes the outputs after the run: a path it could not write failed it there,
     while its peer waited out the group's timeout in the closing barrier (120 s). Now the
     command is refused (argparse's exit 2) before any rank starts."""
-    from commlab.measure import bench, pools
-
     bad = tmp_path / "no-such-dir" / "r.out"
     started = []
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(pools, "run_once", lambda *a, **k: started.append(a))
-        with pytest.raises(SystemExit) as e:
-            bench.main(["--world-size", "2", "-b", "4K", "-e", "4K", "--algorithms", "shm", "--anchors", "none",
-                        flag, str(bad)])
-    assert e.value.code == 2 and not started
-    assert str(bad.parent) in capsys.readouterr().err
+    monkeypatch.setattr(pools, "run_once", lambda *a, **k: started.append(a))
+    ran = run_main(bench.main, ["--world-size", "2", "-b", "4K", "-e", "4K", "--algorithms", "shm", "--anchors", "none",
+                                flag, str(bad)], monkeypatch, capfd)
+    assert ran.returncode == 2 and not started
+    assert str(bad.parent) in ran.stderr
 
 
 def test_a_gpu_trace_is_refused_before_the_run():

@@ -14,6 +14,7 @@ from ranks import run_main
 
 import commlab
 from commlab.core.units import format_bytes
+from commlab.measure import bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_KEYS = {"algorithm", "bytes", "count", "dtype", "op", "time_us", "algbw_gbps", "busbw_gbps", "wrong",
@@ -42,23 +43,15 @@ launches = ahead.launches({
 })
 
 
-def _bench(monkeypatch, capfd, *args) -> tuple[int, str, str]:
-    """`python -m commlab.allreduce_bench ARGS`, its main in this process: (exit code, stdout, stderr)."""
-    from commlab.measure.bench import main
-
-    ran = run_main(main, args, monkeypatch, capfd)
-    return ran.returncode, ran.stdout, ran.stderr
-
-
 @pytest.mark.slow  # the quick tier's bench run with --json: the trace's (its rows' keys, exactness, busbw)
 @pytest.mark.parametrize("op,dtype", [("sum", "float"), ("avg", "int32"), ("max", "bfloat16")])
 def test_bench_cli_spawn_json(tmp_path, monkeypatch, capfd, op, dtype):
     tmp = tmp_path
     # The floors (set against sum's rows) once: the other ops' runs are about their rows.
-    rc, out, err = _bench(monkeypatch, capfd, "--world-size", "3", "-b", "8", "-e", "8K", "-f", "32", "--anchors",
-                          "none", "-n", "3", "-w", "1", "-o", op, "-d", dtype, "--json", str(tmp / "r.json"), "--csv",
-                          str(tmp / "r.csv"), *([] if op == "sum" else ["--no-floors"]))
-    assert rc == 0, err[-3000:]
+    ran = run_main(bench.main, ["--world-size", "3", "-b", "8", "-e", "8K", "-f", "32", "--anchors", "none", "-n", "3",
+                                "-w", "1", "-o", op, "-d", dtype, "--json", str(tmp / "r.json"), "--csv",
+                                str(tmp / "r.csv"), *([] if op == "sum" else ["--no-floors"])], monkeypatch, capfd)
+    assert ran.returncode == 0, ran.stderr[-3000:]
     doc = json.loads((tmp / "r.json").read_text())
     assert doc["env"]["world_size"] == 3 and doc["env"]["backend"] == "gloo" and doc["env"]["ranks_per_host"] == [3]
     algs = commlab.algorithms.for_device("cpu")
@@ -70,24 +63,23 @@ def test_bench_cli_spawn_json(tmp_path, monkeypatch, capfd, op, dtype):
         assert r["p10_us"] <= r["p50_us"] <= r["p90_us"]
         assert r["time_us"] > 0 and r["iters"] == 3
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 4 / 3)
-    assert "out of bounds values: 0 OK" in out
+    assert "out of bounds values: 0 OK" in ran.stdout
     assert (tmp / "r.csv").read_text().startswith("algorithm,bytes,count")
 
 
 @pytest.mark.parametrize("blocking", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_bench_trace_holds_every_timed_call_and_gives_back_the_table(tmp_path, monkeypatch, blocking):
+def test_bench_trace_holds_every_timed_call_and_gives_back_the_table(tmp_path, monkeypatch, capfd, blocking):
     """--trace: per rank and algorithm every timed call as a span, in order, none
     overlapping; the table's time read back from the spans (back-to-back: the slowest
     rank's loop per round, summed; isolated: the slowest rank per call). The CLI's main
     in this process (its ranks forked from the tests' server; fresh interpreters: the
     runs above)."""
-    from commlab.measure.bench import main
-
     tmp = tmp_path
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    assert main(["--world-size", "3", "-b", "1K", "-e", "64K", "-f", "8", "-n", "8", "--rounds", "2", "--algorithms",
-                 "builtin,shm,ring", "--anchors", "none", "--quiet", "--json", str(tmp / "r.json"), "--trace",
-                 str(tmp / "t.json"), "--no-floors", *(["--blocking"] if blocking else [])]) == 0
+    ran = run_main(bench.main, ["--world-size", "3", "-b", "1K", "-e", "64K", "-f", "8", "-n", "8", "--rounds", "2",
+                                "--algorithms", "builtin,shm,ring", "--anchors", "none", "--quiet", "--json",
+                                str(tmp / "r.json"), "--trace", str(tmp / "t.json"), "--no-floors",
+                                *(["--blocking"] if blocking else [])], monkeypatch, capfd)
+    assert ran.returncode == 0, ran.stderr[-3000:]
     rows = json.loads((tmp / "r.json").read_text())["results"]
     assert "trace" not in json.loads((tmp / "r.json").read_text())
     assert len(rows) == 3 * 3  # algorithms x sizes
@@ -125,10 +117,10 @@ def test_bench_measures_every_all_gather_algorithm_checked(tmp_path, monkeypatch
     """--collective all_gather: every registered all-gather algorithm, sizes as nccl-tests
     prints them (the gathered output), busbw = algbw·(p-1)/p, #wrong 0 on every row."""
     tmp = tmp_path
-    rc, out, err = _bench(monkeypatch, capfd, "--world-size", "3", "--collective", "all_gather", "-b", "96", "-e",
-                          "96K", "-f", "32", "--anchors", "none", "-n", "3", "-w", "1", "--rounds", "1", "--json",
-                          str(tmp / "g.json"))
-    assert rc == 0, err[-3000:]
+    ran = run_main(bench.main, ["--world-size", "3", "--collective", "all_gather", "-b", "96", "-e", "96K", "-f", "32",
+                                "--anchors", "none", "-n", "3", "-w", "1", "--rounds", "1", "--json",
+                                str(tmp / "g.json")], monkeypatch, capfd)
+    assert ran.returncode == 0, ran.stderr[-3000:]
     doc = json.loads((tmp / "g.json").read_text())
     assert doc["collective"] == "all_gather"
     algs = commlab.algorithms.registry("all_gather").for_device("cpu")
@@ -137,7 +129,7 @@ def test_bench_measures_every_all_gather_algorithm_checked(tmp_path, monkeypatch
         assert r["wrong"] == 0, r
         assert r["bytes"] == 3 * r["count"] * 4  # float32, 3 ranks
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 2 / 3)
-    assert "collective: all_gather" in out and "out of bounds values: 0 OK" in out
+    assert "collective: all_gather" in ran.stdout and "out of bounds values: 0 OK" in ran.stdout
 
 
 @pytest.mark.slow
@@ -145,9 +137,10 @@ def test_bench_on_the_commlab_backend_measures_it_beside_gloo(tmp_path, monkeypa
     """--backend commlab: every algorithm right on a commlab world group, and a
     builtin@commlab row (dist.all_reduce as unchanged training code calls it)."""
     tmp = tmp_path
-    rc, _, err = _bench(monkeypatch, capfd, "--world-size", "2", "--backend", "commlab", "-b", "4K", "-e", "64K", "-f",
-                        "16", "--anchors", "none", "-n", "3", "-w", "1", "--rounds", "1", "--json", str(tmp / "r.json"))
-    assert rc == 0, err[-3000:]
+    ran = run_main(bench.main, ["--world-size", "2", "--backend", "commlab", "-b", "4K", "-e", "64K", "-f", "16",
+                                "--anchors", "none", "-n", "3", "-w", "1", "--rounds", "1", "--json",
+                                str(tmp / "r.json")], monkeypatch, capfd)
+    assert ran.returncode == 0, ran.stderr[-3000:]
     doc = json.loads((tmp / "r.json").read_text())
     assert doc["env"]["backend"] == "commlab"
     names = {r["algorithm"] for r in doc["results"]}
@@ -157,9 +150,9 @@ def test_bench_on_the_commlab_backend_measures_it_beside_gloo(tmp_path, monkeypa
 
 @pytest.mark.slow
 def test_bench_cli_rejects_unknown_algorithm(monkeypatch, capfd):
-    rc, _, err = _bench(monkeypatch, capfd, "--world-size", "2", "--algorithms", "ring,nope", "-e", "8")
-    assert rc != 0
-    assert "unknown algorithm 'nope'" in err
+    ran = run_main(bench.main, ["--world-size", "2", "--algorithms", "ring,nope", "-e", "8"], monkeypatch, capfd)
+    assert ran.returncode != 0
+    assert "unknown algorithm 'nope'" in ran.stderr
 
 
 @pytest.mark.slow

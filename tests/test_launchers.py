@@ -10,7 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
-from ranks import clean_launch_env, mpi_launcher
+from ranks import clean_launch_env, mpi_launcher, run_main
 
 from commlab.measure import launch
 from commlab.measure.launch import Launch, LaunchError
@@ -87,18 +87,16 @@ def test_slurm_node_lists_and_tasks_per_node():
     ({"SLURM_PROCID": "1", "SLURM_STEP_ID": "0"}, "SLURM_STEP_NUM_TASKS"),
     ({"PMI_RANK": "x", "PMI_SIZE": "2"}, "not the rank"),
 ])
-def test_a_half_described_launch_is_a_clear_error(env, says, bare_env, capsys):
+def test_a_half_described_launch_is_a_clear_error(env, says, bare_env, capfd):
     """From the bench's command line, before any waiting: exit 2 and the variable that is
     missing, not a rank that waits for peers until the group's timeout (the process's own
     exit code: test_a_half_described_launch_exits_2)."""
     from commlab.measure.bench import main
 
-    for k, v in env.items():
-        bare_env.setenv(k, v)
-    assert main(["-b", "8", "-e", "8"]) == 2
-    err = capsys.readouterr().err
-    assert "commlab:" in err and says in err, err
-    assert "Traceback" not in err
+    ran = run_main(main, ["-b", "8", "-e", "8"], bare_env, capfd, **env)
+    assert ran.returncode == 2
+    assert "commlab:" in ran.stderr and says in ran.stderr, ran.stderr
+    assert "Traceback" not in ran.stderr
 
 
 @pytest.mark.slow

@@ -103,7 +103,8 @@ def _synthesize(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m commlab.schedule", description=(__doc__ or "").split("\n\n")[0])  # None under -OO
+    summary = (__doc__ or "").split("\n\n")[0]  # no docstring under python -OO
+    ap = argparse.ArgumentParser(prog="python -m commlab.schedule", description=summary)
     sub = ap.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check", help="prove a schedule (exit 0 valid, 1 invalid, 2 unreadable)")
     c.add_argument("file")
